@@ -1,0 +1,306 @@
+"""The BackPACK engine: hooks on, one forward pass, one backward pass per column range.
+
+:class:`GGNComputation` owns everything it adds to the user's model for the duration of a
+``with`` block and removes it on exit, whatever happens in between:
+
+* a forward hook that stores each layer's input and output (BackPACK's ``hook_store_io``)
+  and a full backward hook that runs BackPACK's extension, on every layer not already
+  extended by the user (handles kept locally, so BackPACK's global ``CTX`` never grows);
+* a recording forward hook on every layer, used to check after the forward pass that the
+  layers form a chain BackPACK can follow (no functional operations between layers);
+* the ``diag_ggn_exact`` attribute BackPACK writes on parameters (restored to its value
+  before the call, if the user had one).
+
+Each backward pass seeds BackPACK with columns ``start:stop`` of the loss Hessian's square
+root (see :mod:`ggnchunk._sqrt_hessians`) and adds the resulting diagonals to
+accumulators. The passes use ``torch.autograd.grad``, so ``.grad`` is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator
+from types import TracebackType
+
+import torch
+from backpack import backpack, hook_run_extensions, hook_store_io, memory_cleanup
+from backpack.extensions import DiagGGNExact
+from torch import Tensor, nn
+
+from ggnchunk._modules import SUPPORTED, HookedModules
+from ggnchunk._sqrt_hessians import LossSqrtHessian, SqrtHessianFactor
+
+__all__ = ["GGNComputation", "quiet_backpack_warnings"]
+
+_SAVEFIELD = "diag_ggn_exact"
+
+_HARMLESS_WARNINGS = (
+    # The first layer's input does not require grad; its parameters still get diagonals.
+    "Full backward hook is firing when gradients are computed with respect to module "
+    "outputs since no inputs require gradients",
+)
+
+
+@contextlib.contextmanager
+def quiet_backpack_warnings() -> Iterator[None]:
+    """Silence, by exact message, the BackPACK/torch warnings a user cannot act on.
+
+    Yields:
+        Nothing; warnings with other messages pass through unchanged.
+    """
+    with warnings.catch_warnings():
+        for message in _HARMLESS_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(message))
+        yield
+
+
+def _signature(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _display(name: str) -> str:
+    return f"model.{name}" if name else "model"
+
+
+class GGNComputation:
+    """One batch's GGN diagonal, computed over any sequence of column ranges.
+
+    Use as a context manager: hooks are installed on entry and everything is removed on
+    exit. Call :meth:`forward` once, then :meth:`backward` once per column range, then
+    read :attr:`diagonal`.
+
+    Args:
+        model: The user's model, already checked by :func:`ggnchunk._modules.check_model`.
+        modules: Its layers, as returned by ``check_model``.
+        loss_func: The user's loss module.
+        handler: The loss's Hessian square root.
+        inputs: Model inputs, shape ``[N, ...]``.
+        targets: Targets, shape as the loss requires.
+        params: ``(name, parameter)`` of the trainable parameters, in
+            ``named_parameters()`` order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: HookedModules,
+        loss_func: nn.Module,
+        handler: LossSqrtHessian,
+        inputs: Tensor,
+        targets: Tensor,
+        params: list[tuple[str, nn.Parameter]],
+    ):
+        self._model = model
+        self._modules = modules
+        self._loss_func = loss_func
+        self._handler = handler
+        self._inputs = inputs.detach()
+        self._targets = targets.detach()
+        self._names = [name for name, _ in params]
+        self._params = [param for _, param in params]
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._full_hook_flags: list[tuple[nn.Module, bool | None]] = []
+        self._saved_attrs: list[tuple[Tensor, object]] = []
+        self._records: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        self._output: Tensor | None = None
+        self._loss: Tensor | None = None
+        self._factor: SqrtHessianFactor | None = None
+        self.gradient: list[Tensor | None] | None = None
+        self.diagonal: list[Tensor] = [torch.zeros_like(p) for p in self._params]
+        self.passes = 0
+
+    # -- set-up and tear-down -------------------------------------------------------------
+    def __enter__(self) -> GGNComputation:  # noqa: D105
+        already = set(self._modules.already_extended)
+        try:
+            for name, module in self._modules.leaves:
+                self._handles.append(module.register_forward_hook(self._recorder(name)))
+                if name in already:
+                    continue
+                self._full_hook_flags.append((module, module._is_full_backward_hook))
+                self._handles.append(module.register_forward_hook(hook_store_io))
+                self._handles.append(module.register_full_backward_hook(hook_run_extensions))
+            for param in self._params:
+                if hasattr(param, _SAVEFIELD):
+                    self._saved_attrs.append((param, getattr(param, _SAVEFIELD)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # noqa: D105
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module, flag in self._full_hook_flags:
+            module._is_full_backward_hook = flag
+        self._full_hook_flags.clear()
+        for _, module in self._modules.leaves:
+            memory_cleanup(module)
+        for param in self._params:
+            if hasattr(param, _SAVEFIELD):
+                delattr(param, _SAVEFIELD)
+        for param, value in self._saved_attrs:
+            setattr(param, _SAVEFIELD, value)
+        self._saved_attrs.clear()
+        self._output = self._loss = self._factor = None
+
+    def _recorder(self, name: str):
+        records = self._records
+
+        def record(module: nn.Module, inputs: tuple, output: object) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, Tensor) and torch.is_grad_enabled():
+                records.setdefault(name, []).append(_signature(out))
+
+        return record
+
+    # -- the passes -----------------------------------------------------------------------
+    def forward(self) -> Tensor:
+        """Run the forward pass and check the result before any backward pass.
+
+        Returns:
+            The model output (attached to the graph), shape ``[N, ...]``.
+
+        Raises:
+            ValueError: If the model output does not fit the targets, or the layers are not
+                connected the way BackPACK needs.
+        """
+        with torch.enable_grad(), quiet_backpack_warnings():
+            output = self._model(self._inputs)
+        if not isinstance(output, Tensor):
+            raise ValueError(
+                f"the model returned a {type(output).__name__}; ggnchunk needs a single "
+                "output tensor of shape [N, ...]."
+            )
+        self._check_chain(output)
+        self._handler.check_shapes(self._loss_func, output, self._targets)
+        with torch.enable_grad():
+            self._loss = self._loss_func(output, self._targets)
+        self._output = output
+        self._factor = self._handler.factorize(
+            self._loss_func, output.detach(), self._targets
+        )
+        return output
+
+    def _check_chain(self, output: Tensor) -> None:
+        if output.shape[0] != self._inputs.shape[0]:
+            raise ValueError(
+                f"the model output has batch size {output.shape[0]} but inputs has "
+                f"{self._inputs.shape[0]}; ggnchunk needs axis 0 of the output to be the "
+                "batch axis."
+            )
+        if not output.requires_grad:
+            raise ValueError(
+                "the model output does not depend on any trainable parameter; check "
+                "requires_grad of the model's parameters."
+            )
+        produced: dict[tuple, str] = {}
+        for name, signatures in self._records.items():
+            if len(signatures) > 1:
+                raise ValueError(
+                    f"{_display(name)} was called {len(signatures)} times in one forward "
+                    "pass; ggnchunk (through BackPACK) needs each layer to be called once. "
+                    "Use a separate layer instance for each call."
+                )
+            produced[signatures[0]] = name
+        for name, module in self._modules.leaves:
+            if name not in self._records:
+                continue
+            index = 0
+            while hasattr(module, f"input{index}"):
+                value = getattr(module, f"input{index}")
+                index += 1
+                if not (isinstance(value, Tensor) and value.requires_grad):
+                    continue
+                source = produced.get(_signature(value))
+                if source is None or source == name:
+                    raise ValueError(
+                        f"the input of {_display(name)} ({type(module).__name__}) is computed "
+                        "by an operation outside the model's layers (a functional call such "
+                        "as torch.relu, x.view, x + y or torch.cat in a forward method). "
+                        "BackPACK can only follow layers: replace the operation with a "
+                        "layer (nn.ReLU, nn.Flatten, ...)."
+                    )
+        if _signature(output) not in produced:
+            raise ValueError(
+                "the model output is computed by an operation outside the model's layers "
+                "(for example a reshape or activation function at the end of forward). "
+                "Replace it with a layer (nn.Flatten, nn.Sigmoid, ...), or leave it out: "
+                "ggnchunk accepts image- and sequence-shaped outputs."
+            )
+
+    @property
+    def num_columns(self) -> int:
+        """Number of columns ``V`` of the loss Hessian's square root (after forward)."""
+        return self._require_factor().num_columns
+
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one column of the square root, ``N * prod(output_shape)`` entries."""
+        return self._require_factor().column_bytes()
+
+    @property
+    def loss(self) -> Tensor:
+        """The loss value of the forward pass, detached."""
+        if self._loss is None:
+            raise RuntimeError("call forward() first")
+        return self._loss.detach()
+
+    def _require_factor(self) -> SqrtHessianFactor:
+        if self._factor is None:
+            raise RuntimeError("call forward() first")
+        return self._factor
+
+    def _extension(self) -> DiagGGNExact:
+        extension = DiagGGNExact()
+        for cls, module_extension in SUPPORTED.items():
+            if module_extension is not None:
+                extension.set_module_extension(cls, module_extension, overwrite=True)
+        return extension
+
+    def backward(self, start: int, stop: int, retain_graph: bool = True) -> None:
+        """Add the GGN diagonal of columns ``start:stop`` to :attr:`diagonal`.
+
+        Nothing is added if the pass fails, so a failed range can be retried (split into
+        smaller ranges) as long as ``retain_graph`` was ``True``.
+
+        Args:
+            start: First column (inclusive).
+            stop: Last column (exclusive).
+            retain_graph: Keep the forward graph for further passes. ``False`` frees it
+                during this pass (slightly lower peak memory on the last pass).
+        """
+        factor = self._require_factor()
+        extension = self._extension()
+        output, loss = self._output, self._loss
+        extension.saved_quantities.save_quantity(
+            output.data_ptr(),
+            factor.columns(start, stop),
+            extension.accumulate_backpropagated_quantities,
+        )
+        try:
+            with backpack(extension, retain_graph=retain_graph), quiet_backpack_warnings():
+                gradient = torch.autograd.grad(
+                    loss, self._params, retain_graph=retain_graph, allow_unused=True
+                )
+            chunk = [getattr(param, _SAVEFIELD, None) for param in self._params]
+        finally:
+            for param in self._params:
+                if hasattr(param, _SAVEFIELD):
+                    delattr(param, _SAVEFIELD)
+        for accumulator, value in zip(self.diagonal, chunk):
+            if value is not None:
+                accumulator.add_(value)
+        if self.gradient is None:
+            self.gradient = list(gradient)
+        self.passes += 1
+        if not retain_graph:
+            self._output = self._loss = None

@@ -1,0 +1,179 @@
+"""Which model layers the engine can backpropagate through, and how.
+
+``SUPPORTED`` maps a layer class (exact type, as BackPACK dispatches) to ``None`` when
+BackPACK's own ``DiagGGNExact`` extension handles it, or to a BackPACK ``ModuleExtension``
+that ggnchunk supplies. :func:`check_model` inspects a model before any work and names the
+first module that cannot be handled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backpack.custom_module.branching import SumModule
+from backpack.custom_module.pad import Pad
+from backpack.custom_module.permute import Permute
+from backpack.custom_module.scale_module import ScaleModule
+from backpack.custom_module.slicing import Slicing
+from backpack.extensions.module_extension import ModuleExtension
+from torch import nn
+
+__all__ = ["SUPPORTED", "HookedModules", "check_model", "supported_layers_table"]
+
+_BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.ZeroPad2d,
+    nn.Dropout,
+    nn.Flatten,
+    nn.Identity,
+    nn.ReLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.LeakyReLU,
+    nn.LogSigmoid,
+    nn.ELU,
+    nn.SELU,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.Embedding,
+    nn.RNN,
+    nn.LSTM,
+    Pad,
+    Permute,
+    ScaleModule,
+    SumModule,
+    Slicing,
+)
+
+SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = dict.fromkeys(_BACKPACK_LAYERS)
+"""Registry: layer class → ``None`` (BackPACK's extension) or ggnchunk's extension."""
+
+_SAMPLE_COUPLING = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+@dataclass
+class HookedModules:
+    """The modules of a model that take part in the computation.
+
+    Attributes:
+        leaves: ``(qualified name, module)`` of every module without children, which the
+            engine hooks for the duration of a call.
+        already_extended: Names of modules the user had extended with BackPACK before the
+            call; their own hooks are used and left in place.
+    """
+
+    leaves: list[tuple[str, nn.Module]]
+    already_extended: list[str]
+
+
+def _display(name: str) -> str:
+    return f"model.{name}" if name else "model"
+
+
+def check_model(model: nn.Module) -> HookedModules:
+    """Check every module of ``model`` before any work is done.
+
+    Args:
+        model: The user's model.
+
+    Returns:
+        The modules to hook.
+
+    Raises:
+        TypeError: If ``model`` is not an ``nn.Module``.
+        ValueError: If a module cannot be handled; the message names the module, its class
+            and what to do.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}. Wrap a function "
+            "in an nn.Module whose forward calls registered layers."
+        )
+    leaves: list[tuple[str, nn.Module]] = []
+    extended: list[str] = []
+    owners: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) in owners and owners[id(param)] != name:
+                raise ValueError(
+                    f"parameter {_display(name)}.{pname} is shared with "
+                    f"{_display(owners[id(param)])}; the GGN diagonal of a tied parameter "
+                    "is not the sum of per-layer diagonals. Untie the parameters or set "
+                    "requires_grad=False on the shared one."
+                )
+            owners[id(param)] = name
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        has_children = next(module.children(), None) is not None
+        if has_children:
+            own = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if own:
+                raise ValueError(
+                    f"{_display(name)} ({type(module).__name__}) has child modules and "
+                    "trainable parameters of its own used in its forward; ggnchunk needs "
+                    "every trainable parameter to belong to a layer without children. Move "
+                    "the parameter into a layer of its own (e.g. nn.Linear)."
+                )
+            continue
+        cls = type(module)
+        if cls not in SUPPORTED:
+            raise ValueError(
+                f"{_display(name)} is a {cls.__module__}.{cls.__qualname__}, which ggnchunk "
+                "cannot backpropagate the GGN through. Supported layers: "
+                f"{', '.join(sorted(c.__name__ for c in SUPPORTED))}. Replace it with a "
+                "supported layer (freezing parameters does not help: the GGN is "
+                "backpropagated through every layer of the model)."
+            )
+        if isinstance(module, _SAMPLE_COUPLING) and module.training:
+            raise ValueError(
+                f"{_display(name)} ({cls.__name__}) is in training mode, where it couples "
+                "the samples of a batch and the GGN is not a sum over samples. Call "
+                "model.eval() (or this module's .eval()) before computing the diagonal."
+            )
+        if getattr(module, "_is_full_backward_hook", None) is False:
+            raise ValueError(
+                f"{_display(name)} has a hook registered with the deprecated "
+                "register_backward_hook, which cannot coexist with the full backward hooks "
+                "ggnchunk uses. Use register_full_backward_hook instead."
+            )
+        if getattr(module, "inplace", False):
+            raise ValueError(
+                f"{_display(name)} ({cls.__name__}) works in place (inplace=True), which "
+                "overwrites the input BackPACK needs. Construct it with inplace=False."
+            )
+        if getattr(module, "_backpack_extend", False):
+            extended.append(name)
+        leaves.append((name, module))
+    return HookedModules(leaves=leaves, already_extended=extended)
+
+
+def supported_layers_table() -> str:
+    """A markdown table of the supported layers, generated from :data:`SUPPORTED`.
+
+    Returns:
+        Markdown text with one row per layer class.
+    """
+    rows = ["| layer | handled by |", "|---|---|"]
+    for cls, ext in sorted(SUPPORTED.items(), key=lambda item: item[0].__name__):
+        owner = "BackPACK" if ext is None else "ggnchunk"
+        rows.append(f"| `{cls.__module__.split('.')[0]}.{cls.__name__}` | {owner} |")
+    return "\n".join(rows)

@@ -1,0 +1,328 @@
+"""Columns of the symmetric square root of a loss Hessian, by loss class.
+
+For a loss ``L(f) = sum_n l_n(f_n)`` over model outputs ``f_n`` the GGN diagonal is
+``diag(G) = sum_n sum_v (J_n^T S_n[:, v])**2`` where ``S_n S_n^T = d^2 l_n / d f_n^2``.
+Any partition of the column index ``v`` therefore splits the computation exactly. This
+module knows, for each supported loss class, how many columns ``S`` has and how to build
+any contiguous range of them, in the layout BackPACK backpropagates:
+``[num_columns_in_range, N, *output_shape]``.
+
+A new loss is one new :class:`LossSqrtHessian` subclass registered in ``LOSSES``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LOSSES", "LossSqrtHessian", "SqrtHessianFactor", "lookup_loss"]
+
+
+class SqrtHessianFactor(ABC):
+    """The square root of one batch's loss Hessian, built column range by range."""
+
+    num_columns: int
+    """Number of columns ``V`` of the square root (per sample)."""
+
+    @abstractmethod
+    def columns(self, start: int, stop: int) -> Tensor:
+        """Columns ``start:stop`` of the square root.
+
+        Args:
+            start: First column (inclusive).
+            stop: Last column (exclusive).
+
+        Returns:
+            Tensor of shape ``[stop - start, N, *output_shape]``.
+        """
+
+    def column_bytes(self) -> int:
+        """Bytes of one column of the square root (``N * prod(output_shape)`` entries).
+
+        Returns:
+            Size in bytes of the tensor :meth:`columns` returns per column.
+        """
+        return self._column_numel * self._element_size
+
+    _column_numel: int
+    _element_size: int
+
+
+class LossSqrtHessian(ABC):
+    """How to factorize the Hessian of one loss class."""
+
+    loss_class: type[nn.Module]
+
+    @abstractmethod
+    def check(self, loss_func: nn.Module) -> None:
+        """Raise a ``ValueError`` for loss options that ggnchunk cannot handle exactly.
+
+        Args:
+            loss_func: The user's loss module.
+        """
+
+    @abstractmethod
+    def check_shapes(self, loss_func: nn.Module, output: Tensor, target: Tensor) -> None:
+        """Raise a ``ValueError`` if output and target do not fit this loss.
+
+        Args:
+            loss_func: The user's loss module.
+            output: Model output, shape ``[N, ...]``.
+            target: Targets.
+        """
+
+    @abstractmethod
+    def factorize(
+        self, loss_func: nn.Module, output: Tensor, target: Tensor
+    ) -> SqrtHessianFactor:
+        """Build the square-root factor for one batch.
+
+        Args:
+            loss_func: The user's loss module.
+            output: Detached model output, shape ``[N, ...]``.
+            target: Detached targets.
+
+        Returns:
+            The factor, whose columns can be requested range by range.
+        """
+
+
+def _reduction_checked(loss_func: nn.Module) -> str:
+    reduction = getattr(loss_func, "reduction", None)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"loss_func has reduction={reduction!r}; ggnchunk needs a scalar loss. "
+            f"Use {type(loss_func).__name__}(reduction='mean') or (reduction='sum')."
+        )
+    return reduction
+
+
+def _same_shape(output: Tensor, target: Tensor, loss_name: str) -> None:
+    if output.shape != target.shape:
+        raise ValueError(
+            f"targets have shape {tuple(target.shape)} but the model output has shape "
+            f"{tuple(output.shape)}; {loss_name} needs them equal. Reshape the targets "
+            "(ggnchunk needs no Flatten in the model: targets may be image- or "
+            "sequence-shaped like the output)."
+        )
+
+
+class _DiagonalFactor(SqrtHessianFactor):
+    """Square root of a Hessian that is diagonal in the output coordinates."""
+
+    def __init__(self, sqrt_diag: Tensor):
+        # sqrt_diag: [N, *output_shape], the square roots of the Hessian's diagonal.
+        self._sqrt = sqrt_diag.flatten(start_dim=1)
+        self._shape = sqrt_diag.shape
+        self.num_columns = self._sqrt.shape[1]
+        self._column_numel = self._sqrt.numel()
+        self._element_size = self._sqrt.element_size()
+
+    def columns(self, start: int, stop: int) -> Tensor:  # noqa: D102
+        count = stop - start
+        n, d = self._sqrt.shape
+        result = self._sqrt.new_zeros(count, n, d)
+        local = torch.arange(count, device=self._sqrt.device)
+        result[local, :, local + start] = self._sqrt[:, start:stop].T
+        return result.view(count, *self._shape)
+
+
+class MSELossSqrtHessian(LossSqrtHessian):
+    """``nn.MSELoss``: Hessian ``2 / norm * I`` per sample (``norm = N * D`` for mean)."""
+
+    loss_class = nn.MSELoss
+
+    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+        _reduction_checked(loss_func)
+
+    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+        _same_shape(output, target, "MSELoss")
+
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+        scale = 2.0 / output.numel() if loss_func.reduction == "mean" else 2.0
+        return _DiagonalFactor(torch.full_like(output, math.sqrt(scale)))
+
+
+class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
+    """``nn.BCEWithLogitsLoss`` with any output shape, ``weight`` and ``pos_weight``.
+
+    Per element the Hessian w.r.t. the logit ``z`` is
+    ``w * sigma(z) * (1 - sigma(z)) * (pos_weight * y + 1 - y)``, diagonal across elements.
+    """
+
+    loss_class = nn.BCEWithLogitsLoss
+
+    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+        _reduction_checked(loss_func)
+        for name in ("weight", "pos_weight"):
+            value = getattr(loss_func, name, None)
+            if value is not None and bool((value < 0).any()):
+                raise ValueError(
+                    f"loss_func.{name} has negative entries; the GGN is only defined for "
+                    f"a convex loss. Use a non-negative {name}."
+                )
+
+    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+        _same_shape(output, target, "BCEWithLogitsLoss")
+
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+        prob = torch.sigmoid(output)
+        hess = prob * (1.0 - prob)
+        if loss_func.pos_weight is not None:
+            pos_weight = loss_func.pos_weight.to(output)
+            hess = hess * (pos_weight * target + 1.0 - target)
+        if loss_func.weight is not None:
+            hess = hess * loss_func.weight.to(output)
+        if loss_func.reduction == "mean":
+            hess = hess / output.numel()
+        hess = torch.broadcast_to(hess, output.shape)
+        # Soft targets outside [0, 1] with pos_weight could make entries negative.
+        return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
+
+
+class _SoftmaxFactor(SqrtHessianFactor):
+    """Square root of ``c * (diag(p) - p p^T)`` per sample and position.
+
+    Column ``j`` is class ``j // P`` at flattened position ``j % P`` (BackPACK's order):
+    ``S[j][n, c, s] = delta(s, s_j) * sqrt(c[n, s_j]) * (tau_c delta(c, c_j) - p_c tau_cj)``
+    with ``tau = sqrt(p)``.
+    """
+
+    def __init__(self, prob: Tensor, weight: Tensor):
+        # prob: [N, C, *spatial]; weight: [N, *spatial] (non-negative per-position factor)
+        self._shape = prob.shape
+        n, c = prob.shape[:2]
+        self._prob = prob.reshape(n, c, -1)
+        self._tau = self._prob.sqrt()
+        self._sqrt_weight = weight.reshape(n, -1).clamp_min(0.0).sqrt()
+        self._positions = self._prob.shape[2]
+        self.num_columns = c * self._positions
+        self._column_numel = self._prob.numel()
+        self._element_size = self._prob.element_size()
+
+    def columns(self, start: int, stop: int) -> Tensor:  # noqa: D102
+        count = stop - start
+        n, c, p = self._prob.shape
+        device = self._prob.device
+        index = torch.arange(start, stop, device=device)
+        cls, pos = index // p, index % p
+        local = torch.arange(count, device=device)
+        result = self._prob.new_zeros(count, n, c, p)
+        tau_j = self._tau[:, cls, pos].T  # [count, N]
+        # -p_c * tau_cj at the column's position, for all classes c
+        result[local, :, :, pos] = -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]
+        result[local, :, cls, pos] += tau_j
+        result *= self._sqrt_weight[:, pos].T[:, :, None, None]
+        return result.view(count, *self._shape)
+
+
+class CrossEntropyLossSqrtHessian(LossSqrtHessian):
+    """``nn.CrossEntropyLoss`` with class-index or probability targets, extra dimensions,
+    ``weight``, ``ignore_index`` and ``label_smoothing``.
+
+    Per sample and position the loss is ``sum_c a_c (-log p_c)`` with target weights
+    ``a`` that do not depend on the logits, so its Hessian is
+    ``(sum_c a_c) * (diag(p) - p p^T)``; only the scalar factor depends on the options.
+    """
+
+    loss_class = nn.CrossEntropyLoss
+
+    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+        _reduction_checked(loss_func)
+        if loss_func.weight is not None and bool((loss_func.weight < 0).any()):
+            raise ValueError(
+                "loss_func.weight has negative entries; the GGN is only defined for a "
+                "convex loss. Use non-negative class weights."
+            )
+
+    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+        if output.dim() < 2:
+            raise ValueError(
+                f"CrossEntropyLoss needs model outputs of shape [N, C, ...]; got "
+                f"{tuple(output.shape)}. Add a batch axis."
+            )
+        if target.is_floating_point():
+            if target.shape != output.shape:
+                raise ValueError(
+                    f"targets are class probabilities of shape {tuple(target.shape)} but "
+                    f"the model output has shape {tuple(output.shape)}; they must be equal."
+                )
+        else:
+            expected = (output.shape[0], *output.shape[2:])
+            if tuple(target.shape) != expected:
+                raise ValueError(
+                    f"targets are class indices of shape {tuple(target.shape)}; for model "
+                    f"outputs of shape {tuple(output.shape)} CrossEntropyLoss needs "
+                    f"{expected} (the class axis is axis 1 of the output)."
+                )
+
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+        num_classes = output.shape[1]
+        eps = loss_func.label_smoothing
+        class_weight = loss_func.weight
+        if class_weight is not None:
+            class_weight = class_weight.to(output)
+        shape = [1, num_classes] + [1] * (output.dim() - 2)
+        if target.is_floating_point():
+            soft = target.to(output) * (1.0 - eps) + eps / num_classes
+            if class_weight is not None:
+                soft = soft * class_weight.view(shape)
+            factor = soft.sum(dim=1)
+            norm = factor.new_tensor(float(factor.numel()))
+        else:
+            valid = target != loss_func.ignore_index
+            safe_target = torch.where(valid, target, torch.zeros_like(target))
+            if class_weight is None:
+                target_weight = valid.to(output.dtype)
+                smooth = torch.ones_like(target_weight)
+            else:
+                target_weight = class_weight[safe_target] * valid
+                smooth = valid * class_weight.sum() / num_classes
+                smooth = smooth.to(output.dtype)
+            factor = (1.0 - eps) * target_weight
+            if eps > 0:
+                factor = factor + eps * (smooth * valid if class_weight is None else smooth)
+            norm = target_weight.sum()
+        if loss_func.reduction == "mean":
+            factor = factor / norm
+        return _SoftmaxFactor(torch.softmax(output, dim=1), factor)
+
+
+LOSSES: dict[type[nn.Module], LossSqrtHessian] = {
+    handler.loss_class: handler
+    for handler in (
+        MSELossSqrtHessian(),
+        BCEWithLogitsLossSqrtHessian(),
+        CrossEntropyLossSqrtHessian(),
+    )
+}
+"""Registry: loss class (exact type) → its Hessian square root."""
+
+
+def lookup_loss(loss_func: object) -> LossSqrtHessian:
+    """Return the handler for ``loss_func``, or raise an error that lists the options.
+
+    Args:
+        loss_func: The user's loss.
+
+    Returns:
+        The registered handler for the loss's exact class.
+
+    Raises:
+        TypeError: If the loss's class is not registered.
+    """
+    handler = LOSSES.get(type(loss_func))
+    if handler is None:
+        names = ", ".join(f"nn.{cls.__name__}" for cls in LOSSES)
+        hint = ""
+        if isinstance(loss_func, Callable) and not isinstance(loss_func, nn.Module):
+            hint = " Pass a loss module (e.g. nn.MSELoss()), not a function."
+        raise TypeError(
+            f"loss_func of type {type(loss_func).__name__} is not supported. Supported "
+            f"losses: {names}.{hint}"
+        )
+    return handler
