@@ -202,7 +202,7 @@ class GGNComputation:
                 "the model output does not depend on any trainable parameter; check "
                 "requires_grad of the model's parameters."
             )
-        produced: dict[tuple, str] = {}
+        produced: dict[tuple, set[str]] = {}
         for name, signatures in self._records.items():
             if len(signatures) > 1:
                 raise ValueError(
@@ -210,7 +210,7 @@ class GGNComputation:
                     "pass; ggnchunk (through BackPACK) needs each layer to be called once. "
                     "Use a separate layer instance for each call."
                 )
-            produced[signatures[0]] = name
+            produced.setdefault(signatures[0], set()).add(name)
         for name, module in self._modules.leaves:
             if name not in self._records:
                 continue
@@ -220,8 +220,7 @@ class GGNComputation:
                 index += 1
                 if not (isinstance(value, Tensor) and value.requires_grad):
                     continue
-                source = produced.get(_signature(value))
-                if source is None or source == name:
+                if not produced.get(_signature(value), set()) - {name}:
                     raise ValueError(
                         f"the input of {_display(name)} ({type(module).__name__}) is computed "
                         "by an operation outside the model's layers (a functional call such "

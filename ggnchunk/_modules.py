@@ -18,6 +18,8 @@ from backpack.custom_module.slicing import Slicing
 from backpack.extensions.module_extension import ModuleExtension
 from torch import nn
 
+from ggnchunk._layers import AutogradJacobian
+
 __all__ = ["SUPPORTED", "HookedModules", "check_model", "supported_layers_table"]
 
 _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
@@ -31,12 +33,6 @@ _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
     nn.MaxPool1d,
     nn.MaxPool2d,
     nn.MaxPool3d,
-    nn.AvgPool1d,
-    nn.AvgPool2d,
-    nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d,
     nn.ZeroPad2d,
     nn.Dropout,
     nn.Flatten,
@@ -61,7 +57,22 @@ _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
     Slicing,
 )
 
-SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = dict.fromkeys(_BACKPACK_LAYERS)
+SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = {
+    **dict.fromkeys(_BACKPACK_LAYERS),
+    # BackPACK 1.7.1's (adaptive) average pooling builds a float32 kernel and fails in
+    # float64; its adaptive version also needs the input to be a multiple of the output.
+    **{
+        cls: AutogradJacobian()
+        for cls in (
+            nn.AvgPool1d,
+            nn.AvgPool2d,
+            nn.AvgPool3d,
+            nn.AdaptiveAvgPool1d,
+            nn.AdaptiveAvgPool2d,
+            nn.AdaptiveAvgPool3d,
+        )
+    },
+}
 """Registry: layer class → ``None`` (BackPACK's extension) or ggnchunk's extension."""
 
 _SAMPLE_COUPLING = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
