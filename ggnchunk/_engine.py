@@ -8,6 +8,8 @@
   extended by the user (handles kept locally, so BackPACK's global ``CTX`` never grows);
 * a recording forward hook on every layer, used to check after the forward pass that the
   layers form a chain BackPACK can follow (no functional operations between layers);
+* ``inplace=False`` on layers built with ``inplace=True`` (an in-place activation would
+  overwrite the input BackPACK needs), restored on exit;
 * the ``diag_ggn_exact`` attribute BackPACK writes on parameters (restored to its value
   before the call, if the user had one).
 
@@ -27,10 +29,11 @@ from types import TracebackType
 import torch
 from backpack import backpack, hook_run_extensions, hook_store_io, memory_cleanup
 from backpack.extensions import DiagGGNExact
+from backpack.extensions.module_extension import ModuleExtension
 from torch import Tensor, nn
 
 from ggnchunk._modules import SUPPORTED, HookedModules
-from ggnchunk._sqrt_hessians import LossSqrtHessian, SqrtHessianFactor
+from ggnchunk._sqrt_hessians import LOSSES, LossSqrtHessian, SqrtHessianFactor
 
 __all__ = ["GGNComputation", "quiet_backpack_warnings"]
 
@@ -54,6 +57,20 @@ def quiet_backpack_warnings() -> Iterator[None]:
         for message in _HARMLESS_WARNINGS:
             warnings.filterwarnings("ignore", message=re.escape(message))
         yield
+
+
+class _Skip(ModuleExtension):
+    """Do nothing: the engine seeds the loss Hessian's square root itself.
+
+    Registered for the loss classes, so that a loss module the user extended with BackPACK
+    does not add BackPACK's own (full, unchunked) square root to the seeded columns.
+    """
+
+    def __call__(self, extension, module, g_inp, g_out) -> None:  # noqa: D102
+        return None
+
+
+_SKIP = _Skip()
 
 
 def _signature(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -102,6 +119,7 @@ class GGNComputation:
         self._params = [param for _, param in params]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._full_hook_flags: list[tuple[nn.Module, bool | None]] = []
+        self._inplace: list[nn.Module] = []
         self._saved_attrs: list[tuple[Tensor, object]] = []
         self._records: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
         self._output: Tensor | None = None
@@ -116,6 +134,9 @@ class GGNComputation:
         already = set(self._modules.already_extended)
         try:
             for name, module in self._modules.leaves:
+                if getattr(module, "inplace", None) is True:
+                    module.inplace = False
+                    self._inplace.append(module)
                 self._handles.append(module.register_forward_hook(self._recorder(name)))
                 if name in already:
                     continue
@@ -142,8 +163,13 @@ class GGNComputation:
         for module, flag in self._full_hook_flags:
             module._is_full_backward_hook = flag
         self._full_hook_flags.clear()
+        for module in self._inplace:
+            module.inplace = True
+        self._inplace.clear()
         for _, module in self._modules.leaves:
             memory_cleanup(module)
+        if getattr(self._loss_func, "_backpack_extend", False):
+            memory_cleanup(self._loss_func)  # the user's BackPACK hooks stored our tensors
         for param in self._params:
             if hasattr(param, _SAVEFIELD):
                 delattr(param, _SAVEFIELD)
@@ -263,6 +289,8 @@ class GGNComputation:
         for cls, module_extension in SUPPORTED.items():
             if module_extension is not None:
                 extension.set_module_extension(cls, module_extension, overwrite=True)
+        for cls in LOSSES:
+            extension.set_module_extension(cls, _SKIP, overwrite=True)
         return extension
 
     def backward(self, start: int, stop: int, retain_graph: bool = True) -> None:

@@ -166,11 +166,6 @@ def check_model(model: nn.Module) -> HookedModules:
                 "register_backward_hook, which cannot coexist with the full backward hooks "
                 "ggnchunk uses. Use register_full_backward_hook instead."
             )
-        if getattr(module, "inplace", False):
-            raise ValueError(
-                f"{_display(name)} ({cls.__name__}) works in place (inplace=True), which "
-                "overwrites the input BackPACK needs. Construct it with inplace=False."
-            )
         if getattr(module, "_backpack_extend", False):
             extended.append(name)
         leaves.append((name, module))

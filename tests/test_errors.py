@@ -1,0 +1,217 @@
+"""Bad input gets a clear error that names the argument, before any backward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk._engine import GGNComputation
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+X = torch.randn(6, 4)
+Y = torch.randn(6, 3)
+
+
+@pytest.fixture(autouse=True)
+def no_backward_pass(monkeypatch):
+    """Fail any test here that reaches a backward pass: errors must come before."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a backward pass ran before the error was raised")
+
+    monkeypatch.setattr(GGNComputation, "backward", forbidden)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"num_chunks": 2, "chunk_size": 2}, ValueError, ["num_chunks", "chunk_size"]),
+        ({"num_chunks": 0}, ValueError, ["num_chunks"]),
+        ({"num_chunks": -3}, ValueError, ["num_chunks"]),
+        ({"num_chunks": 2.0}, TypeError, ["num_chunks"]),
+        ({"num_chunks": True}, TypeError, ["num_chunks"]),
+        ({"num_chunks": "4"}, TypeError, ["num_chunks"]),
+        ({"num_chunks": 4}, ValueError, ["num_chunks", "3"]),
+        ({"chunk_size": 0}, ValueError, ["chunk_size"]),
+        ({"chunk_size": 1.5}, TypeError, ["chunk_size"]),
+        ({"chunk_size": 4}, ValueError, ["chunk_size", "3"]),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else None,
+)
+def test_bad_chunk_arguments(kwargs, error, words):
+    with pytest.raises(error) as info:
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X, Y, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_mse_targets_of_other_shape():
+    with pytest.raises(ValueError, match=r"targets have shape \(6, 3, 1\).*\(6, 3\)"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X, Y[..., None])
+
+
+def test_batch_sizes_differ():
+    with pytest.raises(ValueError, match="targets has shape .* batch size 6"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X, Y[:5])
+
+
+def test_cross_entropy_targets_of_wrong_shape():
+    with pytest.raises(ValueError, match=r"class indices of shape \(6, 3\)"):
+        ggnchunk.diag_ggn(_mlp(), nn.CrossEntropyLoss(), X, torch.zeros(6, 3).long())
+
+
+@pytest.mark.parametrize("loss_func", [nn.L1Loss(), nn.NLLLoss(), nn.HuberLoss()])
+def test_unsupported_loss(loss_func):
+    with pytest.raises(TypeError, match=f"loss_func of type {type(loss_func).__name__}"):
+        ggnchunk.diag_ggn(_mlp(), loss_func, X, Y)
+
+
+def test_loss_function_instead_of_module():
+    with pytest.raises(TypeError, match="Pass a loss module"):
+        ggnchunk.diag_ggn(_mlp(), nn.functional.mse_loss, X, Y)
+
+
+@pytest.mark.parametrize(
+    "loss_func", [nn.MSELoss(reduction="none"), nn.CrossEntropyLoss(reduction="none")]
+)
+def test_reduction_none(loss_func):
+    with pytest.raises(ValueError, match="reduction='none'.*reduction='mean'"):
+        ggnchunk.diag_ggn(_mlp(), loss_func, X, Y)
+
+
+def test_negative_class_weights():
+    with pytest.raises(ValueError, match="loss_func.weight"):
+        ggnchunk.diag_ggn(
+            _mlp(), nn.CrossEntropyLoss(weight=torch.tensor([1.0, -1, 1])), X, Y
+        )
+
+
+@pytest.mark.parametrize(
+    ("layer", "cls"), [(nn.LayerNorm(5), "LayerNorm"), (nn.Softmax(dim=1), "Softmax")]
+)
+def test_unsupported_layer_is_named(layer, cls):
+    model = nn.Sequential(nn.Linear(4, 5), layer, nn.Linear(5, 3))
+    with pytest.raises(ValueError, match=rf"model\.1 is a .*{cls}.*Supported layers"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y)
+
+
+def test_subclass_of_supported_layer_is_refused():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(4, 3))
+    with pytest.raises(ValueError, match=r"model\.0 is a .*MyLinear"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y)
+
+
+def test_batchnorm_in_training_mode():
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).train()
+    with pytest.raises(ValueError, match=r"model\.1 \(BatchNorm1d\) is in training mode"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y)
+    assert model.training
+
+
+def test_model_without_trainable_parameters():
+    model = _mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y)
+
+
+def test_empty_batch():
+    with pytest.raises(ValueError, match="inputs has shape \\(0, 4\\): the batch is empty"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X[:0], Y[:0])
+
+
+def test_inputs_on_another_device():
+    with pytest.raises(ValueError, match="inputs is on meta but the model is on cpu"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X.to("meta"), Y)
+
+
+def test_inputs_of_another_dtype():
+    with pytest.raises(ValueError, match="inputs has dtype torch.float64"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X.double(), Y)
+
+
+def test_inputs_not_a_tensor():
+    with pytest.raises(TypeError, match="inputs must be a torch.Tensor"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X.tolist(), Y)
+
+
+def test_model_not_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ggnchunk.diag_ggn(lambda x: x, nn.MSELoss(), X, Y)
+
+
+class _Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class _ReshapeAtEnd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.a(x).view(-1, 3, 2)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(self.a(self.a(x)))
+
+
+class _OwnParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.a(x) * self.scale
+
+
+@pytest.mark.parametrize(
+    ("model", "targets", "pattern"),
+    [
+        (_Functional(), Y, r"input of model\.b \(Linear\) is computed by an operation"),
+        (_ReshapeAtEnd(), Y.view(6, 3, 1).expand(6, 3, 2), "model output is computed by"),
+        (_Twice(), Y, r"model\.a was called 2 times"),
+        (_OwnParameter(), Y, r"model \(_OwnParameter\) has child modules and trainable"),
+    ],
+    ids=["functional-op", "reshape-at-end", "layer-called-twice", "container-parameter"],
+)
+def test_models_backpack_cannot_follow(model, targets, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, targets)
+    for module in model.modules():
+        assert not module._forward_hooks and not module._backward_hooks
+        assert not hasattr(module, "input0") and not hasattr(module, "output")
+
+
+def test_tied_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"parameter model\.2\.weight is shared"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, torch.randn(6, 4))
+
+
+def test_inference_mode():
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        ggnchunk.diag_ggn(_mlp(), nn.MSELoss(), X, Y)
