@@ -134,7 +134,8 @@ def test_model_already_extended_by_the_user_keeps_its_extension():
     assert [list(m._forward_hooks) for m in model.modules()] == hooks
     assert len(CTX.hook_handles) == handles
     # the user's own BackPACK code still works on the model
-    with backpack(DiagGGNExact()):
+    with backpack(DiagGGNExact()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
         loss_func(model(X), Y).backward()
     assert_diag_close(
         {n: p.diag_ggn_exact for n, p in model.named_parameters()}, expected, rtol=1e-5
