@@ -80,4 +80,4 @@ def diag_ggn(
         plan = plan_chunks(run.num_columns, num_chunks, chunk_size)
         for index, (start, stop) in enumerate(plan):
             run.backward(start, stop, retain_graph=index < len(plan) - 1)
-        return {name: value for (name, _), value in zip(params, run.diagonal)}
+        return {name: value for (name, _), value in zip(params, run.diagonal, strict=True)}

@@ -34,7 +34,7 @@ def check_positive_int(value: object, name: str, hint: str = "") -> int:
         TypeError: If the value is not an integer (``bool`` and ``float`` included).
         ValueError: If the value is not positive.
     """
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         raise TypeError(f"{name} must be a positive int, got {value!r}.{hint}")
     try:
         number = operator.index(value)

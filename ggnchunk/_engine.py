@@ -66,7 +66,7 @@ class _Skip(ModuleExtension):
     does not add BackPACK's own (full, unchunked) square root to the seeded columns.
     """
 
-    def __call__(self, extension, module, g_inp, g_out) -> None:  # noqa: D102
+    def __call__(self, extension, module, g_inp, g_out) -> None:
         return None
 
 
@@ -130,7 +130,7 @@ class GGNComputation:
         self.passes = 0
 
     # -- set-up and tear-down -------------------------------------------------------------
-    def __enter__(self) -> GGNComputation:  # noqa: D105
+    def __enter__(self) -> GGNComputation:
         already = set(self._modules.already_extended)
         try:
             for name, module in self._modules.leaves:
@@ -142,7 +142,9 @@ class GGNComputation:
                     continue
                 self._full_hook_flags.append((module, module._is_full_backward_hook))
                 self._handles.append(module.register_forward_hook(hook_store_io))
-                self._handles.append(module.register_full_backward_hook(hook_run_extensions))
+                self._handles.append(
+                    module.register_full_backward_hook(hook_run_extensions)
+                )
             for param in self._params:
                 if hasattr(param, _SAVEFIELD):
                     self._saved_attrs.append((param, getattr(param, _SAVEFIELD)))
@@ -156,7 +158,7 @@ class GGNComputation:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:  # noqa: D105
+    ) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -248,9 +250,9 @@ class GGNComputation:
                     continue
                 if not produced.get(_signature(value), set()) - {name}:
                     raise ValueError(
-                        f"the input of {_display(name)} ({type(module).__name__}) is computed "
-                        "by an operation outside the model's layers (a functional call such "
-                        "as torch.relu, x.view, x + y or torch.cat in a forward method). "
+                        f"the input of {_display(name)} ({type(module).__name__}) is "
+                        "computed by an operation outside the model's layers (a functional "
+                        "call such as torch.relu, x.view, x + y or torch.cat in forward). "
                         "BackPACK can only follow layers: replace the operation with a "
                         "layer (nn.ReLU, nn.Flatten, ...)."
                     )
@@ -323,7 +325,7 @@ class GGNComputation:
             for param in self._params:
                 if hasattr(param, _SAVEFIELD):
                     delattr(param, _SAVEFIELD)
-        for accumulator, value in zip(self.diagonal, chunk):
+        for accumulator, value in zip(self.diagonal, chunk, strict=True):
             if value is not None:
                 accumulator.add_(value)
         if self.gradient is None:

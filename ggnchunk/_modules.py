@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from backpack.custom_module.branching import SumModule
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.permute import Permute
+from backpack.custom_module.reduce_tuple import ReduceTuple
 from backpack.custom_module.scale_module import ScaleModule
 from backpack.custom_module.slicing import Slicing
 from backpack.extensions.module_extension import ModuleExtension
 from torch import nn
 
-from ggnchunk._layers import AutogradJacobian
+from ggnchunk._layers import AutogradJacobian, EmbeddingDiagGGN
 
 __all__ = ["SUPPORTED", "HookedModules", "check_model", "supported_layers_table"]
 
@@ -47,7 +48,6 @@ _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d,
     nn.BatchNorm2d,
     nn.BatchNorm3d,
-    nn.Embedding,
     nn.RNN,
     nn.LSTM,
     Pad,
@@ -59,6 +59,8 @@ _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
 
 SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = {
     **dict.fromkeys(_BACKPACK_LAYERS),
+    # BackPACK 1.7.1 builds the one-hot matrix in float32 and fails in float64.
+    nn.Embedding: EmbeddingDiagGGN(),
     # BackPACK 1.7.1's (adaptive) average pooling builds a float32 kernel and fails in
     # float64; its adaptive version also needs the input to be a multiple of the output.
     **{
@@ -74,6 +76,9 @@ SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = {
     },
 }
 """Registry: layer class → ``None`` (BackPACK's extension) or ggnchunk's extension."""
+
+# Layers without children that only pass a tensor on; BackPACK never hooks them.
+_PASS_THROUGH: tuple[type[nn.Module], ...] = (ReduceTuple,)
 
 _SAMPLE_COUPLING = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -146,10 +151,12 @@ def check_model(model: nn.Module) -> HookedModules:
                 )
             continue
         cls = type(module)
+        if cls in _PASS_THROUGH:
+            continue
         if cls not in SUPPORTED:
             raise ValueError(
-                f"{_display(name)} is a {cls.__module__}.{cls.__qualname__}, which ggnchunk "
-                "cannot backpropagate the GGN through. Supported layers: "
+                f"{_display(name)} is a {cls.__module__}.{cls.__qualname__}, which "
+                "ggnchunk cannot backpropagate the GGN through. Supported layers: "
                 f"{', '.join(sorted(c.__name__ for c in SUPPORTED))}. Replace it with a "
                 "supported layer (freezing parameters does not help: the GGN is "
                 "backpropagated through every layer of the model)."
@@ -172,14 +179,42 @@ def check_model(model: nn.Module) -> HookedModules:
     return HookedModules(leaves=leaves, already_extended=extended)
 
 
+_NOTES: dict[type[nn.Module], str] = {
+    nn.BatchNorm1d: "eval mode only (training mode couples samples)",
+    nn.BatchNorm2d: "eval mode only (training mode couples samples)",
+    nn.BatchNorm3d: "eval mode only (training mode couples samples)",
+    nn.Dropout: "train mode uses the forward pass's mask",
+    nn.RNN: "batch_first=True, then ReduceTuple(index=0)",
+    nn.LSTM: "batch_first=True, then ReduceTuple(index=0)",
+    nn.Embedding: "BackPACK's fails in float64; padding_idx row is 0",
+}
+
+
 def supported_layers_table() -> str:
     """A markdown table of the supported layers, generated from :data:`SUPPORTED`.
 
     Returns:
-        Markdown text with one row per layer class.
+        Markdown text with one row per layer class: its import path, what computes its
+        backpropagation (BackPACK, a ggnchunk extension, or the ``torch.func`` fallback)
+        and notes.
     """
-    rows = ["| layer | handled by |", "|---|---|"]
-    for cls, ext in sorted(SUPPORTED.items(), key=lambda item: item[0].__name__):
-        owner = "BackPACK" if ext is None else "ggnchunk"
-        rows.append(f"| `{cls.__module__.split('.')[0]}.{cls.__name__}` | {owner} |")
+    rows = ["| layer | handled by | notes |", "|---|---|---|"]
+    for cls, ext in sorted(SUPPORTED.items(), key=lambda item: item[0].__name__.lower()):
+        path = (
+            f"nn.{cls.__name__}"
+            if cls.__module__.startswith("torch.nn")
+            else f"{cls.__module__}.{cls.__name__}"
+        )
+        if ext is None:
+            owner = "BackPACK"
+        elif isinstance(ext, AutogradJacobian):
+            owner = "ggnchunk: torch.func fallback"
+        else:
+            owner = f"ggnchunk: {type(ext).__name__}"
+        rows.append(f"| `{path}` | {owner} | {_NOTES.get(cls, '')} |")
+    for cls in _PASS_THROUGH:
+        rows.append(f"| `{cls.__module__}.{cls.__name__}` | pass-through | |")
+    rows.append(
+        "| `nn.Sequential` and containers whose forward only chains layers | not hooked | |"
+    )
     return "\n".join(rows)

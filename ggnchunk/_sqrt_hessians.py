@@ -122,7 +122,7 @@ class _DiagonalFactor(SqrtHessianFactor):
         self._column_numel = self._sqrt.numel()
         self._element_size = self._sqrt.element_size()
 
-    def columns(self, start: int, stop: int) -> Tensor:  # noqa: D102
+    def columns(self, start: int, stop: int) -> Tensor:
         count = stop - start
         n, d = self._sqrt.shape
         result = self._sqrt.new_zeros(count, n, d)
@@ -136,13 +136,13 @@ class MSELossSqrtHessian(LossSqrtHessian):
 
     loss_class = nn.MSELoss
 
-    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+    def check(self, loss_func: nn.Module) -> None:
         _reduction_checked(loss_func)
 
-    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+    def check_shapes(self, loss_func, output, target) -> None:
         _same_shape(output, target, "MSELoss")
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
         scale = 2.0 / output.numel() if loss_func.reduction == "mean" else 2.0
         return _DiagonalFactor(torch.full_like(output, math.sqrt(scale)))
 
@@ -156,7 +156,7 @@ class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
 
     loss_class = nn.BCEWithLogitsLoss
 
-    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+    def check(self, loss_func: nn.Module) -> None:
         _reduction_checked(loss_func)
         for name in ("weight", "pos_weight"):
             value = getattr(loss_func, name, None)
@@ -166,10 +166,10 @@ class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
                     f"a convex loss. Use a non-negative {name}."
                 )
 
-    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+    def check_shapes(self, loss_func, output, target) -> None:
         _same_shape(output, target, "BCEWithLogitsLoss")
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
         prob = torch.sigmoid(output)
         hess = prob * (1.0 - prob)
         if loss_func.pos_weight is not None:
@@ -204,7 +204,7 @@ class _SoftmaxFactor(SqrtHessianFactor):
         self._column_numel = self._prob.numel()
         self._element_size = self._prob.element_size()
 
-    def columns(self, start: int, stop: int) -> Tensor:  # noqa: D102
+    def columns(self, start: int, stop: int) -> Tensor:
         count = stop - start
         n, c, p = self._prob.shape
         device = self._prob.device
@@ -214,16 +214,18 @@ class _SoftmaxFactor(SqrtHessianFactor):
         result = self._prob.new_zeros(count, n, c, p)
         tau_j = self._tau[:, cls, pos].T  # [count, N]
         # -p_c * tau_cj at the column's position, for all classes c
-        result[local, :, :, pos] = -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]
+        result[local, :, :, pos] = (
+            -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]
+        )
         result[local, :, cls, pos] += tau_j
         result *= self._sqrt_weight[:, pos].T[:, :, None, None]
         return result.view(count, *self._shape)
 
 
 class CrossEntropyLossSqrtHessian(LossSqrtHessian):
-    """``nn.CrossEntropyLoss`` with class-index or probability targets, extra dimensions,
-    ``weight``, ``ignore_index`` and ``label_smoothing``.
+    """``nn.CrossEntropyLoss``: index or probability targets, extra axes, all options.
 
+    Supports ``weight``, ``ignore_index`` and ``label_smoothing``.
     Per sample and position the loss is ``sum_c a_c (-log p_c)`` with target weights
     ``a`` that do not depend on the logits, so its Hessian is
     ``(sum_c a_c) * (diag(p) - p p^T)``; only the scalar factor depends on the options.
@@ -231,7 +233,7 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
 
     loss_class = nn.CrossEntropyLoss
 
-    def check(self, loss_func: nn.Module) -> None:  # noqa: D102
+    def check(self, loss_func: nn.Module) -> None:
         _reduction_checked(loss_func)
         if loss_func.weight is not None and bool((loss_func.weight < 0).any()):
             raise ValueError(
@@ -239,7 +241,7 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
                 "convex loss. Use non-negative class weights."
             )
 
-    def check_shapes(self, loss_func, output, target) -> None:  # noqa: D102
+    def check_shapes(self, loss_func, output, target) -> None:
         if output.dim() < 2:
             raise ValueError(
                 f"CrossEntropyLoss needs model outputs of shape [N, C, ...]; got "
@@ -260,7 +262,7 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
                     f"{expected} (the class axis is axis 1 of the output)."
                 )
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:  # noqa: D102
+    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
         num_classes = output.shape[1]
         eps = loss_func.label_smoothing
         class_weight = loss_func.weight

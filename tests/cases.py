@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from backpack.custom_module.reduce_tuple import ReduceTuple
 from torch import Tensor, nn
 
 N = 3  # batch size of every case
@@ -36,7 +37,11 @@ class ModelCase:
 
 def _bn_mlp() -> nn.Module:
     model = nn.Sequential(
-        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.LeakyReLU(0.1), nn.Linear(6, 4)
+        nn.Linear(5, 6),
+        nn.BatchNorm1d(6),
+        nn.Dropout(0.3),
+        nn.LeakyReLU(0.1),
+        nn.Linear(6, 4),
     )
     bn = model[1]
     bn.running_mean.normal_()
@@ -63,8 +68,11 @@ MODELS: list[ModelCase] = [
     ModelCase(
         "conv_ae_flat[N,32]",
         lambda: nn.Sequential(
-            nn.Conv2d(2, 3, 3, stride=1, padding=1), nn.ReLU(),
-            nn.AvgPool2d(2), nn.ConvTranspose2d(3, 2, 2, stride=2), nn.Flatten(),
+            nn.Conv2d(2, 3, 3, stride=1, padding=1),
+            nn.ReLU(),
+            nn.AvgPool2d(2),
+            nn.ConvTranspose2d(3, 2, 2, stride=2),
+            nn.Flatten(),
         ),
         (2, 4, 4),
     ),
@@ -82,17 +90,17 @@ MODELS: list[ModelCase] = [
     ),
     ModelCase(
         "segmenter[N,3,4,4]",
-        lambda: nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1), nn.SELU(), nn.Conv2d(4, 3, 1)
-        ),
+        lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.SELU(), nn.Conv2d(4, 3, 1)),
         (2, 4, 4),
     ),
     ModelCase("bn_dropout_mlp[N,4]", _bn_mlp, (5,)),
     ModelCase(
         "conv1d[N,2,7]",
         lambda: nn.Sequential(
-            nn.Conv1d(2, 3, 3, padding=1), nn.LogSigmoid(), nn.ConvTranspose1d(3, 2, 3,
-            padding=1, dilation=1), nn.AdaptiveAvgPool1d(7),
+            nn.Conv1d(2, 3, 3, padding=1),
+            nn.LogSigmoid(),
+            nn.ConvTranspose1d(3, 2, 3, padding=1, dilation=1),
+            nn.AdaptiveAvgPool1d(7),
         ),
         (2, 7),
     ),
@@ -100,6 +108,28 @@ MODELS: list[ModelCase] = [
         "conv3d[N,2,2,3,3]",
         lambda: nn.Sequential(nn.Conv3d(1, 2, 2, padding=1), nn.Sigmoid(), nn.MaxPool3d(2)),
         (1, 2, 4, 4),
+    ),
+    ModelCase(
+        "embedding[N,3]",
+        lambda: nn.Sequential(
+            nn.Embedding(6, 4, padding_idx=0), nn.Flatten(), nn.Tanh(), nn.Linear(12, 3)
+        ),
+        (3,),
+        integer_inputs=6,
+    ),
+    ModelCase(
+        "lstm[N,5,2]",
+        lambda: nn.Sequential(
+            nn.LSTM(3, 4, batch_first=True), ReduceTuple(index=0), nn.Linear(4, 2)
+        ),
+        (5, 3),
+    ),
+    ModelCase(
+        "rnn[N,5,2]",
+        lambda: nn.Sequential(
+            nn.RNN(3, 4, batch_first=True), ReduceTuple(index=0), nn.Linear(4, 2)
+        ),
+        (5, 3),
     ),
 ]
 

@@ -62,7 +62,9 @@ def assert_diag_close(
     entry of the whole diagonal: a parameter whose exact diagonal is zero (a bias that
     softmax cannot see) is held to rounding noise of the whole problem, not to zero.
     """
-    assert list(actual) == list(expected), f"{label}: keys {list(actual)} != {list(expected)}"
+    assert list(actual) == list(expected), (
+        f"{label}: keys {list(actual)} != {list(expected)}"
+    )
     overall = max(e.abs().max().item() for e in expected.values())
     for name, exp in expected.items():
         act = actual[name]

@@ -19,7 +19,10 @@ from tests.reference import assert_diag_close, reference_diag_ggn
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(2, 3, 3), nn.ReLU(inplace=True), nn.Dropout(0.2), nn.Flatten(),
+        nn.Conv2d(2, 3, 3),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.2),
+        nn.Flatten(),
         nn.Linear(12, 5),
     )
 
@@ -31,17 +34,19 @@ Y = torch.randn(4, 5)
 def _snapshot(model: nn.Module) -> list:
     state = []
     for module in model.modules():
-        state.append((
-            type(module).__name__,
-            module.training,
-            sorted(module.__dict__),
-            list(module._forward_hooks),
-            list(module._forward_pre_hooks),
-            list(module._backward_hooks),
-            list(module._backward_pre_hooks),
-            module._is_full_backward_hook,
-            getattr(module, "inplace", None),
-        ))
+        state.append(
+            (
+                type(module).__name__,
+                module.training,
+                sorted(module.__dict__),
+                list(module._forward_hooks),
+                list(module._forward_pre_hooks),
+                list(module._backward_hooks),
+                list(module._backward_pre_hooks),
+                module._is_full_backward_hook,
+                getattr(module, "inplace", None),
+            )
+        )
     for param in model.parameters():
         state.append((sorted(param.__dict__), param.requires_grad))
     return state
@@ -88,7 +93,9 @@ def test_error_inside_backward_leaves_nothing_behind(monkeypatch):
 
 def _live_tensors() -> int:
     gc.collect()
-    with warnings.catch_warnings():  # inspecting torch.distributed's deprecated objects warns
+    with (
+        warnings.catch_warnings()
+    ):  # inspecting torch.distributed's deprecated objects warns
         warnings.simplefilter("ignore")
         return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
@@ -146,7 +153,9 @@ def test_results_have_parameter_names_shapes_dtypes_in_order():
     model = _model().eval()
     model[4].bias.requires_grad_(False)
     diag = ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y)
-    expected = [(n, p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad]
+    expected = [
+        (n, p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad
+    ]
     assert [(n, v.shape, v.dtype) for n, v in diag.items()] == expected
 
 

@@ -1,0 +1,39 @@
+.DEFAULT_GOAL := help
+PY ?= .venv/bin/python
+
+help: ## list the tasks
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+venv: ## create .venv and install ggnchunk with the test extra (as the README says)
+	python3 -m venv .venv && .venv/bin/pip install -e '.[test]'
+
+demo: ## the quick-start demo: BackPACK tutorial table, one pass vs chunks
+	$(PY) -m experiments.tutorial_table
+
+test: ## run the tests (the README's test command)
+	$(PY) -m pytest
+
+test-fast: ## run the tests without the slow ones
+	$(PY) -m pytest -m "not slow"
+
+lint: ## ruff format check, ruff lint, README tables in sync
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) tools/sync_readme.py --check
+
+format: ## ruff format and autofix
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+readme: ## regenerate the README's supported-layers table from the code
+	$(PY) tools/sync_readme.py
+
+bench: ## run the benchmark suite (quick)
+	$(PY) -m benchmarks --quick
+
+ci: ## what CI runs: fresh venv, install, tests, lint
+	bash .ci/run
+
+clean: ## remove caches and results
+	rm -rf .pytest_cache .ruff_cache results build *.egg-info
+.PHONY: help venv demo test test-fast lint format readme bench ci clean

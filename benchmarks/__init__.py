@@ -1,0 +1,1 @@
+"""Benchmarks: accuracy, peak memory and time of ggnchunk against the alternatives."""
