@@ -3,21 +3,37 @@
 The public API is exactly what this module exports.
 """
 
-from ggnchunk._api import diag_ggn
-from ggnchunk._memory import PeakMemory, measure_peak_memory
+from ggnchunk._api import GGNReport, diag_ggn
+from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._modules import supported_layers_table
-from ggnchunk._scheduler import plan_chunks
+from ggnchunk._scheduler import (
+    ChunkRecord,
+    ChunkScheduler,
+    MemoryBudgetError,
+    OutOfMemoryRecoveryWarning,
+    ScheduleReport,
+    clear_autotune_cache,
+    plan_chunks,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     # computing diagonals
     "diag_ggn",
-    # planning chunks (generic: any sum over an index range)
+    "GGNReport",
+    # scheduling chunks (generic: any sum over an index range)
+    "ChunkScheduler",
+    "ScheduleReport",
+    "ChunkRecord",
     "plan_chunks",
-    # measuring
-    "PeakMemory",
+    "clear_autotune_cache",
+    "MemoryBudgetError",
+    "OutOfMemoryRecoveryWarning",
+    # measuring memory
     "measure_peak_memory",
+    "PeakMemory",
+    "parse_memory",
     # introspection
     "supported_layers_table",
 ]

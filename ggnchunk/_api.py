@@ -2,15 +2,65 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import torch
 from torch import Tensor, nn
 
-from ggnchunk._checks import check_chunk_count, check_tensors, trainable_parameters
+from ggnchunk._checks import check_positive_int, check_tensors, trainable_parameters
 from ggnchunk._engine import GGNComputation
+from ggnchunk._memory import PeakTracker
 from ggnchunk._modules import check_model
-from ggnchunk._scheduler import plan_chunks
+from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
 from ggnchunk._sqrt_hessians import lookup_loss
 
-__all__ = ["diag_ggn"]
+__all__ = ["GGNReport", "diag_ggn"]
+
+
+@dataclass
+class GGNReport:
+    """How :func:`diag_ggn` computed a diagonal (``return_report=True``).
+
+    Attributes:
+        num_columns: Columns of the loss Hessian's square root per forward pass.
+        batch_chunks: ``(start, stop)`` sample ranges, one forward pass each.
+        schedules: One :class:`~ggnchunk.ScheduleReport` per sample range.
+    """
+
+    num_columns: int = 0
+    batch_chunks: list[tuple[int, int]] = field(default_factory=list)
+    schedules: list[ScheduleReport] = field(default_factory=list)
+
+    @property
+    def chunk_size(self) -> int:
+        """Largest number of columns in one backward pass."""
+        return max(max(c.stop - c.start for c in s.chunks) for s in self.schedules)
+
+    @property
+    def num_passes(self) -> int:
+        """Number of backward passes, retries after running out of memory included."""
+        return sum(len(s.chunks) for s in self.schedules)
+
+    @property
+    def peak_extra_bytes(self) -> int | None:
+        """Largest measured peak extra memory (budget and auto modes), else ``None``."""
+        peaks = [
+            s.peak_extra_bytes for s in self.schedules if s.peak_extra_bytes is not None
+        ]
+        return max(peaks) if peaks else None
+
+
+def _cache_key(model, loss_func, inputs, params, device) -> tuple:
+    structure = tuple(
+        (name, type(m).__name__, tuple((n, tuple(p.shape)) for n, p in m.named_parameters(
+            recurse=False)))
+        for name, m in model.named_modules()
+    )  # fmt: skip
+    return (
+        structure, type(loss_func).__name__, getattr(loss_func, "reduction", None),
+        tuple(inputs.shape), inputs.dtype, tuple(p.dtype for _, p in params), str(device),
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def diag_ggn(
@@ -20,8 +70,12 @@ def diag_ggn(
     targets: Tensor,
     *,
     num_chunks: int | None = None,
-    chunk_size: int | None = None,
-) -> dict[str, Tensor]:
+    chunk_size: int | str | None = None,
+    max_memory: int | str | None = None,
+    batch_chunk_size: int | None = None,
+    recover_oom: bool = True,
+    return_report: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], GGNReport]:
     """Exact diagonal of the generalized Gauss-Newton matrix of a batch's loss.
 
     Computes ``diag(sum_n J_n^T H_n J_n)`` for ``loss = loss_func(model(inputs), targets)``
@@ -48,17 +102,34 @@ def diag_ggn(
         num_chunks: Number of backward passes, from 1 to the number of columns; chunk
             sizes differ by at most one.
         chunk_size: Largest number of columns per backward pass (the last chunk may be
-            smaller). Give at most one of ``num_chunks`` and ``chunk_size``; with neither,
-            one backward pass.
+            smaller), or ``"auto"``: the fastest chunk size that fits ``max_memory`` (or
+            90% of the free device memory), found by timing real chunks and remembered
+            for later calls with the same model, shapes and threads.
+        max_memory: Budget for the peak memory the computation adds above what was in
+            use before the call: bytes or a string such as ``"512MiB"``, ``"2GiB"``,
+            ``"1.5GB"``. The chunk size is chosen from measured chunks (see
+            :class:`~ggnchunk.ChunkScheduler`). On CPU memory is the resident set size,
+            on CUDA the caching allocator's allocated bytes.
+        batch_chunk_size: Also split the batch into sub-batches of at most this many
+            samples, each with its own forward pass (and its own output chunking). Exact
+            for ``mean`` and ``sum``: the mean's normalizer is that of the whole batch.
+        recover_oom: If a backward pass runs out of memory, split its chunk in halves and
+            retry, keeping finished chunks (warns once with the chunk size that worked).
+            Every pass then keeps the graph until the end; ``False`` frees it during the
+            last pass instead.
+        return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
 
     Returns:
         One tensor per parameter with ``requires_grad``, keyed and ordered as
-        ``model.named_parameters()``, each with the parameter's shape, dtype and device.
+        ``model.named_parameters()``, each with the parameter's shape, dtype and device;
+        with ``return_report=True``, the pair ``(diagonal, report)``.
 
     Raises:
         TypeError: For arguments of the wrong type (the message names the argument).
         ValueError: For unsupported layers or losses, mismatched shapes, devices or
-            dtypes, and out-of-range chunk arguments, before any backward pass.
+            dtypes, and out-of-range or conflicting chunk arguments, before any backward
+            pass.
+        MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
 
     Example:
         >>> import torch, ggnchunk
@@ -71,13 +142,49 @@ def diag_ggn(
     """
     handler = lookup_loss(loss_func)
     handler.check(loss_func)
-    check_chunk_count(num_chunks, chunk_size)
+    check_chunking(num_chunks, chunk_size, max_memory)
     modules = check_model(model)
     params = trainable_parameters(model)
     check_tensors(params, inputs, targets)
-    with GGNComputation(model, modules, loss_func, handler, inputs, targets, params) as run:
-        run.forward()
-        plan = plan_chunks(run.num_columns, num_chunks, chunk_size)
-        for index, (start, stop) in enumerate(plan):
-            run.backward(start, stop, retain_graph=index < len(plan) - 1)
-        return {name: value for (name, _), value in zip(params, run.diagonal, strict=True)}
+    batch = inputs.shape[0]
+    if batch_chunk_size is not None:
+        batch_chunk_size = check_positive_int(batch_chunk_size, "batch_chunk_size")
+    device = params[0][1].device
+    tracker = (
+        PeakTracker(device) if (max_memory is not None or chunk_size == "auto") else None
+    )
+    baseline = tracker.current() if tracker is not None else None
+    scale = 1.0
+    if loss_func.reduction == "mean":
+        scale = 1.0 / float(handler.normalizer(loss_func, targets))
+    report = GGNReport(batch_chunks=plan_chunks(batch, chunk_size=min(batch_chunk_size or
+                                                batch, batch), what="samples"))  # fmt: skip
+    scheduler = ChunkScheduler(
+        num_chunks=num_chunks,
+        chunk_size=chunk_size,
+        max_memory=max_memory,
+        device=device,
+        recover_oom=recover_oom,
+        what="columns",
+        tracker=tracker,
+    )
+    total = [torch.zeros_like(p) for _, p in params]
+    for start, stop in report.batch_chunks:
+        sub_inputs, sub_targets = inputs[start:stop], targets[start:stop]
+        with GGNComputation(
+            model, modules, loss_func, handler, sub_inputs, sub_targets, params, scale
+        ) as run:
+            run.forward()
+            columns = run.num_columns
+            report.num_columns = columns
+
+            def backward(a: int, b: int, run=run, columns=columns) -> None:
+                run.backward(a, b, retain_graph=recover_oom or b < columns)
+
+            scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
+            _, schedule = scheduler.run(columns, backward, baseline=baseline)
+            report.schedules.append(schedule)
+            for accumulator, value in zip(total, run.diagonal, strict=True):
+                accumulator.add_(value)
+    diagonal = {name: value for (name, _), value in zip(params, total, strict=True)}
+    return (diagonal, report) if return_report else diagonal

@@ -97,6 +97,9 @@ class GGNComputation:
         targets: Targets, shape as the loss requires.
         params: ``(name, parameter)`` of the trainable parameters, in
             ``named_parameters()`` order.
+        scale: Factor of the loss Hessian: ``1`` for ``reduction="sum"``,
+            ``1 / normalizer`` of the whole batch for ``"mean"`` (see
+            :meth:`~ggnchunk._sqrt_hessians.LossSqrtHessian.normalizer`).
     """
 
     def __init__(
@@ -108,11 +111,13 @@ class GGNComputation:
         inputs: Tensor,
         targets: Tensor,
         params: list[tuple[str, nn.Parameter]],
+        scale: float,
     ):
         self._model = model
         self._modules = modules
         self._loss_func = loss_func
         self._handler = handler
+        self._scale = scale
         self._inputs = inputs.detach()
         self._targets = targets.detach()
         self._names = [name for name, _ in params]
@@ -214,7 +219,7 @@ class GGNComputation:
             self._loss = self._loss_func(output, self._targets)
         self._output = output
         self._factor = self._handler.factorize(
-            self._loss_func, output.detach(), self._targets
+            self._loss_func, output.detach(), self._targets, self._scale
         )
         return output
 

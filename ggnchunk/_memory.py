@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["PeakMemory", "measure_peak_memory"]
+__all__ = [
+    "PeakMemory",
+    "PeakTracker",
+    "free_memory",
+    "measure_peak_memory",
+    "parse_memory",
+]
 
 MiB = 2**20
 
@@ -120,3 +126,173 @@ def measure_peak_memory(
     seconds = time.perf_counter() - start
     peak = int(peak_mib * MiB)
     return PeakMemory(max(0, peak - baseline), baseline, "cpu", "rss-poll", seconds, result)
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_memory(value: int | str, name: str = "max_memory") -> int:
+    """Bytes from an ``int`` or a string with a unit.
+
+    Args:
+        value: Bytes (``int``), or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``,
+            ``"300 MB"``, ``"4096"``. Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB,
+            GB, TB) units, case-insensitive.
+        name: The argument's name, for error messages.
+
+    Returns:
+        The number of bytes (positive).
+
+    Raises:
+        TypeError: For other types.
+        ValueError: For unknown units or values that are not positive.
+
+    Example:
+        >>> parse_memory("1.5GiB"), parse_memory("512MB"), parse_memory(1024)
+        (1610612736, 512000000, 1024)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{name} must be bytes (int) or a string with a unit such as '2GiB', got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if isinstance(value, int):
+        number = value
+    else:
+        import re
+
+        match = re.fullmatch(
+            r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value
+        )
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a memory size; use bytes or a number with a "
+                "unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
+                "of 1024), e.g. '512MiB' or '1.5GB'."
+            )
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}.")
+    return number
+
+
+class PeakTracker:
+    """Current and peak memory of one device, cheap enough to read around every chunk.
+
+    * CUDA: ``memory_allocated`` and ``max_memory_allocated`` (``reset_peak`` calls
+      ``reset_peak_memory_stats``, which also resets the peak a caller may be watching).
+    * CPU on Linux: the resident set size ``VmRSS`` and its peak ``VmHWM`` from
+      ``/proc/self/status``; ``reset_peak`` writes ``5`` to ``/proc/self/clear_refs``,
+      the kernel's way to reset ``VmHWM`` of this process.
+    * CPU elsewhere: RSS from ``psutil``, polled by a thread every millisecond while a
+      measurement is open.
+
+    Args:
+        device: The device whose memory to track.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._linux = False
+        if device.type == "cpu":
+            try:
+                with open("/proc/self/clear_refs", "w") as handle:
+                    handle.write("5")
+                self._linux = self._read_status("VmHWM") > 0
+            except OSError:
+                self._linux = False
+
+    @staticmethod
+    def _read_status(field: str) -> int:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def current(self) -> int:
+        """Bytes in use now (CUDA: allocated by tensors; CPU: resident set size)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        if self._linux:
+            return self._read_status("VmRSS")
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
+        """Run ``fn()``; return its result, the peak bytes in use during it, and seconds.
+
+        Args:
+            fn: What to run.
+
+        Returns:
+            ``(result, peak_bytes, seconds)``; ``peak_bytes`` is absolute (compare it with
+            :meth:`current` taken earlier).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = time.perf_counter()
+            result = fn()
+            torch.cuda.synchronize(self.device)
+            return (
+                result,
+                torch.cuda.max_memory_allocated(self.device),
+                (time.perf_counter() - start),
+            )
+        if self._linux:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            start = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - start
+            return result, self._read_status("VmHWM"), seconds
+        return self._measure_polled(fn)
+
+    def _measure_polled(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
+        import threading
+
+        import psutil
+
+        process, peak, done = psutil.Process(), [0], threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+                done.wait(1e-3)
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        start = time.perf_counter()
+        try:
+            result = fn()
+        finally:
+            seconds = time.perf_counter() - start
+            done.set()
+            thread.join()
+        return result, max(peak[0], process.memory_info().rss), seconds
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes that a computation on ``device`` could still use.
+
+    Args:
+        device: CUDA device (free device memory plus the allocator's cached free blocks)
+            or CPU (available system memory).
+
+    Returns:
+        Bytes.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
+    import psutil
+
+    return psutil.virtual_memory().available

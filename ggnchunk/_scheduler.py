@@ -1,14 +1,36 @@
-"""Chunk planning: how to split an index range ``[0, total)`` into contiguous chunks.
+"""Chunk scheduling: split an index range ``[0, total)`` into chunks and run them.
 
-Generic: nothing here knows about GGNs. A plan is a list of ``(start, stop)`` pairs that
-partition ``[0, total)`` in order.
+Generic: nothing here knows about GGNs. :func:`plan_chunks` makes fixed plans (lists of
+``(start, stop)`` pairs that partition ``[0, total)`` in order); :class:`ChunkScheduler`
+runs a computation over such chunks, choosing their size from a memory budget or by
+timing, and recovers from out-of-memory errors.
 """
 
 from __future__ import annotations
 
-from ggnchunk._checks import check_positive_int
+import time
+import warnings
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Plan", "plan_chunks"]
+import torch
+
+from ggnchunk._checks import check_positive_int
+from ggnchunk._memory import MiB, PeakTracker, free_memory, parse_memory
+
+__all__ = [
+    "ChunkRecord",
+    "ChunkScheduler",
+    "MemoryBudgetError",
+    "OutOfMemoryRecoveryWarning",
+    "Plan",
+    "ScheduleReport",
+    "check_chunking",
+    "clear_autotune_cache",
+    "is_out_of_memory",
+    "plan_chunks",
+]
 
 Plan = list[tuple[int, int]]
 
@@ -70,3 +92,458 @@ def plan_chunks(
         plan.append((start, start + size))
         start += size
     return plan
+
+
+# -- the scheduler ----------------------------------------------------------------------
+
+_SAFETY = 0.92  # aim below the budget: the affine memory model is fitted on two points
+_TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
+
+
+class MemoryBudgetError(MemoryError):
+    """The smallest chunk (one index) does not fit the memory budget."""
+
+
+class OutOfMemoryRecoveryWarning(UserWarning):
+    """A chunk ran out of memory and was split; the result is still exact."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure (CUDA or the CPU allocator).
+
+    Args:
+        error: The exception.
+
+    Returns:
+        ``True`` for ``torch.OutOfMemoryError`` and the CPU allocator's failures.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, (RuntimeError, MemoryError)) and (
+        "can't allocate memory" in text or "not enough memory" in text
+        or isinstance(error, MemoryError)
+    )  # fmt: skip
+
+
+@dataclass
+class ChunkRecord:
+    """One completed chunk: its range, seconds and peak extra bytes (if measured)."""
+
+    start: int
+    stop: int
+    seconds: float
+    peak_extra_bytes: int | None = None
+
+
+@dataclass
+class ScheduleReport:
+    """What a :class:`ChunkScheduler` did.
+
+    Attributes:
+        total: Size of the index range.
+        mode: ``"fixed"``, ``"budget"`` or ``"auto"``.
+        chunk_size: The chunk size used for the bulk of the range.
+        budget_bytes: The memory budget, if any.
+        chunks: Every completed chunk, in order.
+        out_of_memory_splits: How many chunks were split after running out of memory.
+        fixed_bytes: Fitted memory of the computation at zero chunk size (budget modes).
+        bytes_per_index: Fitted memory per index of a chunk (budget modes).
+        from_cache: Whether the decision came from the autotune cache.
+    """
+
+    total: int
+    mode: str
+    chunk_size: int
+    budget_bytes: int | None = None
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    out_of_memory_splits: int = 0
+    fixed_bytes: float | None = None
+    bytes_per_index: float | None = None
+    from_cache: bool = False
+
+    @property
+    def peak_extra_bytes(self) -> int | None:
+        """Largest measured peak extra memory over all chunks."""
+        peaks = [c.peak_extra_bytes for c in self.chunks if c.peak_extra_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent in chunks."""
+        return sum(c.seconds for c in self.chunks)
+
+
+@dataclass
+class _Decision:
+    fixed: float
+    per_index: float
+    chunk_size: int | None = None  # auto mode's choice
+
+
+_CACHE: dict[Hashable, _Decision] = {}
+
+
+def clear_autotune_cache() -> None:
+    """Forget the chunk sizes and memory fits remembered from earlier calls."""
+    _CACHE.clear()
+
+
+class ChunkScheduler:
+    """Run ``fn(start, stop)`` over chunks that partition ``[0, total)``.
+
+    Generic: ``fn`` may compute anything that is a sum over an index range (GGN columns,
+    per-sample gradients, Jacobian rows); it either accumulates itself and returns
+    ``None``, or returns a tensor (or list/tuple/dict of tensors) that the scheduler adds
+    up. Three modes:
+
+    * **fixed** (``num_chunks`` or an int ``chunk_size``): the plan of :func:`plan_chunks`.
+    * **budget** (``max_memory``): the chunk size is chosen so that the peak memory above
+      ``baseline`` stays within the budget. The memory of a chunk of size ``s`` is modelled
+      as ``fixed + per_index * s``; the first chunk (one index) and a second chunk sized
+      conservatively from it are measured to fit the model, and every later chunk is
+      measured too, shrinking the size if one overshoots. If one index does not fit, a
+      :class:`MemoryBudgetError` says how much it needs.
+    * **auto** (``chunk_size="auto"``): within the budget (``max_memory``, or else 90% of
+      the free device memory), a few chunk sizes are timed on real chunks (nothing is
+      computed twice) and the fastest per index is used for the rest. The decision is
+      cached under ``cache_key`` for later calls, as cuDNN's benchmark mode does.
+
+    In every mode a chunk that runs out of memory is split in halves and retried (chunks
+    already done are kept); a single index that runs out of memory raises. ``fn`` must
+    leave no partial contribution behind when it raises.
+
+    Args:
+        num_chunks: Fixed number of chunks.
+        chunk_size: Fixed largest chunk size, or ``"auto"``.
+        max_memory: Budget for the peak memory above ``baseline``: bytes or a string such
+            as ``"2GiB"``.
+        device: Device whose memory is budgeted and measured.
+        recover_oom: Split chunks that run out of memory instead of raising.
+        cache_key: Hashable key under which budget/auto decisions are remembered.
+        what: What the indices count, for messages.
+        tracker: What measures memory: an object with ``current() -> bytes`` and
+            ``measure(fn) -> (result, peak bytes, seconds)``; by default a
+            :class:`~ggnchunk._memory.PeakTracker` of ``device``. Tests pass a simulated
+            one.
+
+    Example:
+        Squared norms of per-sample gradients, summed over a large batch in chunks that
+        fit 64 MiB, a computation that has nothing to do with the GGN:
+
+        >>> import torch
+        >>> from ggnchunk import ChunkScheduler
+        >>> model = torch.nn.Linear(100, 10)
+        >>> X, y = torch.randn(1000, 100), torch.randn(1000, 10)
+        >>> params = dict(model.named_parameters())
+        >>> def loss(p, x, t):
+        ...     out = torch.func.functional_call(model, p, (x[None],))
+        ...     return ((out - t[None]) ** 2).sum()
+        >>> per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+        >>> def chunk(start, stop):
+        ...     grads = per_sample(params, X[start:stop], y[start:stop])
+        ...     return sum(g.pow(2).flatten(1).sum(1).sum() for g in grads.values())
+        >>> total, report = ChunkScheduler(max_memory="64MiB").run(1000, chunk)
+        >>> report.mode, total.shape
+        ('budget', torch.Size([]))
+    """
+
+    def __init__(
+        self,
+        *,
+        num_chunks: int | None = None,
+        chunk_size: int | str | None = None,
+        max_memory: int | str | None = None,
+        device: str | torch.device = "cpu",
+        recover_oom: bool = True,
+        cache_key: Hashable | None = None,
+        what: str = "indices",
+        tracker: Any = None,
+    ):
+        check_chunking(num_chunks, chunk_size, max_memory)
+        self.num_chunks = num_chunks
+        self.chunk_size = chunk_size
+        self.budget = None if max_memory is None else parse_memory(max_memory)
+        self.device = torch.device(device)
+        self.recover_oom = bool(recover_oom)
+        self.cache_key = cache_key
+        self.what = what
+        self.tracker = tracker
+        if chunk_size == "auto":
+            self.mode = "auto"
+        elif self.budget is not None:
+            self.mode = "budget"
+        else:
+            self.mode = "fixed"
+
+    def run(
+        self,
+        total: int,
+        fn: Callable[[int, int], Any],
+        baseline: int | None = None,
+    ) -> tuple[Any, ScheduleReport]:
+        """Run ``fn`` over chunks of ``[0, total)``.
+
+        Args:
+            total: Size of the index range.
+            fn: ``fn(start, stop)``; its non-``None`` results are added up.
+            baseline: Memory in use before the computation began (the budget counts
+                from here); defaults to the memory in use now.
+
+        Returns:
+            ``(sum of fn's results or None, report)``.
+
+        Raises:
+            MemoryBudgetError: If one index does not fit the budget.
+        """
+        total = check_positive_int(total, "total")
+        tracker = None
+        if self.mode != "fixed":
+            tracker = self.tracker if self.tracker is not None else PeakTracker(self.device)
+        if tracker is not None and baseline is None:
+            baseline = tracker.current()
+        state = _Run(self, total, fn, tracker, baseline or 0)
+        if self.mode == "fixed":
+            plan = plan_chunks(total, self.num_chunks, self.chunk_size, what=self.what)
+            state.report.chunk_size = max(b - a for a, b in plan)
+            for start, stop in plan:
+                state.run_range(start, stop)
+            state.warn_if_recovered()
+        else:
+            state.run_adaptive()
+        return state.result, state.report
+
+
+def check_chunking(num_chunks: object, chunk_size: object, max_memory: object) -> None:
+    """Check that the chunking arguments are consistent (before any work).
+
+    Args:
+        num_chunks: The user's ``num_chunks``.
+        chunk_size: The user's ``chunk_size`` (an int or ``"auto"``).
+        max_memory: The user's ``max_memory``.
+
+    Raises:
+        ValueError: For conflicting or out-of-range values.
+        TypeError: For values of the wrong type.
+    """
+    if chunk_size == "auto":
+        if num_chunks is not None:
+            raise ValueError(
+                f"num_chunks={num_chunks!r} and chunk_size='auto' were both given; "
+                "'auto' chooses the chunking itself. Pass only one of them."
+            )
+    elif isinstance(chunk_size, str):
+        raise ValueError(
+            f"chunk_size={chunk_size!r} is not understood; pass a positive int or 'auto'."
+        )
+    else:
+        if num_chunks is not None and chunk_size is not None:
+            raise ValueError(
+                f"num_chunks={num_chunks!r} and chunk_size={chunk_size!r} were both given; "
+                "they say the same thing two ways. Pass only one of them."
+            )
+        if num_chunks is not None:
+            check_positive_int(num_chunks, "num_chunks", " Use num_chunks=1 for one pass.")
+        if chunk_size is not None:
+            check_positive_int(chunk_size, "chunk_size")
+        if max_memory is not None and (num_chunks is not None or chunk_size is not None):
+            raise ValueError(
+                "max_memory was given together with a fixed chunking "
+                f"(num_chunks={num_chunks!r}, chunk_size={chunk_size!r}); the budget "
+                "chooses the chunk size. Pass max_memory alone, or with chunk_size='auto' "
+                "to also tune for speed."
+            )
+    if max_memory is not None:
+        parse_memory(max_memory)
+
+
+def _add(total: Any, value: Any) -> Any:
+    if value is None:
+        return total
+    if total is None:
+        return value
+    if isinstance(value, dict):
+        return {k: _add(total[k], v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_add(a, b) for a, b in zip(total, value, strict=True))
+    return total + value
+
+
+class _Run:
+    """State of one :meth:`ChunkScheduler.run`."""
+
+    def __init__(self, scheduler, total, fn, tracker, baseline):
+        self.s = scheduler
+        self.total = total
+        self.fn = fn
+        self.tracker = tracker
+        self.baseline = baseline
+        self.result = None
+        self.report = ScheduleReport(
+            total=total, mode=scheduler.mode, chunk_size=0, budget_bytes=scheduler.budget
+        )
+        self.largest_failed: int | None = None
+
+    # one chunk, with out-of-memory recovery ------------------------------------------
+    def _once(self, start: int, stop: int) -> ChunkRecord:
+        if self.tracker is None:
+            begin = time.perf_counter()
+            value = self.fn(start, stop)
+            record = ChunkRecord(start, stop, time.perf_counter() - begin)
+        else:
+            value, peak, seconds = self.tracker.measure(lambda: self.fn(start, stop))
+            record = ChunkRecord(start, stop, seconds, max(0, peak - self.baseline))
+        self.result = _add(self.result, value)
+        self.report.chunks.append(record)
+        return record
+
+    def run_range(self, start: int, stop: int) -> list[ChunkRecord]:
+        """Run ``[start, stop)``, splitting it in halves on out-of-memory errors."""
+        pending, done = [(start, stop)], []
+        while pending:
+            a, b = pending.pop(0)
+            failed = False
+            try:
+                done.append(self._once(a, b))
+            except BaseException as error:
+                if not (self.s.recover_oom and is_out_of_memory(error)) or b - a == 1:
+                    raise
+                failed = True
+            if failed:  # outside the except block: the failed pass's tensors are freed
+                if self.s.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self._note_failure(b - a)
+                middle = (a + b) // 2
+                pending[:0] = [(a, middle), (middle, b)]
+        return done
+
+    def _note_failure(self, size: int) -> None:
+        self.report.out_of_memory_splits += 1
+        if self.largest_failed is None:
+            self.largest_failed = size
+        self.largest_failed = max(self.largest_failed, size)
+
+    def warn_if_recovered(self) -> None:
+        if self.report.out_of_memory_splits:
+            worked = max(c.stop - c.start for c in self.report.chunks)
+            warnings.warn(
+                f"ggnchunk: a chunk of {self.largest_failed} {self.s.what} ran out of "
+                f"memory and was split ({self.report.out_of_memory_splits} split(s)); "
+                f"the rest ran with chunks of at most {worked} {self.s.what}. The result "
+                f"is exact. Pass chunk_size={worked} (or max_memory) to avoid the retries.",
+                OutOfMemoryRecoveryWarning,
+                stacklevel=4,
+            )
+
+    # budget and auto modes -----------------------------------------------------------
+    def _budget(self) -> int:
+        if self.s.budget is not None:
+            return self.s.budget
+        return int(
+            0.9 * (free_memory(self.s.device) + self.tracker.current() - self.baseline)
+        )
+
+    def _fit_size(self, decision: _Decision, budget: int) -> int:
+        room = _SAFETY * budget - decision.fixed
+        return max(1, min(self.total, int(room // max(decision.per_index, 1.0))))
+
+    def run_adaptive(self) -> None:
+        budget = self._budget()
+        self.report.budget_bytes = budget
+        key = self.s.cache_key
+        cache_key = None if key is None else (key, self.s.mode, budget, self.total)
+        decision = _CACHE.get(cache_key) if cache_key is not None else None
+        start = 0
+        if decision is None:
+            decision, start = self._probe(budget)
+        else:
+            self.report.from_cache = True
+        size = self._fit_size(decision, budget)
+        if self.s.mode == "auto":
+            if decision.chunk_size is None:
+                start, size = self._tune(start, size)
+                decision.chunk_size = size
+            else:
+                size = min(size, decision.chunk_size)
+        if cache_key is not None:
+            _CACHE[cache_key] = decision
+        self.report.fixed_bytes, self.report.bytes_per_index = (
+            decision.fixed,
+            decision.per_index,
+        )
+        self.report.chunk_size = size
+        while start < self.total:
+            stop = min(self.total, start + size)
+            records = self.run_range(start, stop)
+            if len(records) > 1:  # split after running out of memory: stay below that
+                size = min(size, max(r.stop - r.start for r in records))
+            for record in records:
+                over = record.peak_extra_bytes - budget
+                if over > 0 and record.stop - record.start > 1:  # model too optimistic
+                    decision.per_index = max(
+                        decision.per_index,
+                        (record.peak_extra_bytes - decision.fixed)
+                        / (record.stop - record.start),
+                    )
+                    size = min(size, self._fit_size(decision, budget))
+            start = stop
+        self.report.chunk_size = min(self.report.chunk_size, size)
+        self.warn_if_recovered()
+
+    def _probe(self, budget: int) -> tuple[_Decision, int]:
+        """Fit ``peak = fixed + per_index * s`` from a chunk of 1 and a larger chunk."""
+        before = max(0, self.tracker.current() - self.baseline)
+        rss_before = self.tracker.current()
+        (first,) = self.run_range(0, 1)
+        if self.s.device.type == "cpu":
+            # Memory the first chunk leaves behind is one-time set-up (kernels, libraries
+            # loaded lazily on first use), not a cost of the chunk: count from after it.
+            retained = max(0, self.tracker.current() - rss_before)
+            if retained:
+                self.baseline += retained
+                first.peak_extra_bytes = max(0, first.peak_extra_bytes - retained)
+        if first.peak_extra_bytes > budget:
+            raise MemoryBudgetError(
+                f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
+                f"{self.s.what} already needs {first.peak_extra_bytes / MiB:,.1f} MiB "
+                f"above the memory in use before the call ({before / MiB:,.1f} MiB of it "
+                "before the first chunk). Raise max_memory, or make the problem smaller "
+                "(e.g. batch_chunk_size for fewer samples per forward pass)."
+            )
+        upper = max(first.peak_extra_bytes - before, 1)  # per index, conservatively
+        if self.total == 1:
+            return _Decision(before, upper), 1
+        second_size = int(0.5 * (_SAFETY * budget - before) // upper)
+        second_size = max(2, min(second_size, self.total - 1))
+        (second,) = self.run_range(1, 1 + second_size)[-1:]
+        size2 = second.stop - second.start
+        slope = (second.peak_extra_bytes - first.peak_extra_bytes) / max(size2 - 1, 1)
+        if slope <= 0:  # no growth measurable: use the conservative bound
+            slope = max((second.peak_extra_bytes - before) / size2, 1.0)
+        fixed = max(before, first.peak_extra_bytes - slope)
+        return _Decision(fixed, slope), second.stop
+
+    def _tune(self, start: int, size_max: int) -> tuple[int, int]:
+        """Time real chunks of decreasing size; return (next start, fastest size)."""
+        allowance = int(_TRIAL_SHARE * (self.total - start))
+        candidates, size = [], size_max
+        while size >= 1 and sum(candidates) + size <= allowance and len(candidates) < 6:
+            candidates.append(size)
+            size //= 2
+        if not candidates:
+            return start, size_max
+        best, best_rate, worse = size_max, float("inf"), 0
+        for size in candidates:
+            if start >= self.total:
+                break
+            records = self.run_range(start, min(self.total, start + size))
+            start = records[-1].stop
+            columns = sum(r.stop - r.start for r in records)
+            rate = sum(r.seconds for r in records) / columns
+            if rate < best_rate:
+                best, best_rate, worse = max(r.stop - r.start for r in records), rate, 0
+            else:
+                worse += 1
+                if worse >= 2:  # past the sweet spot
+                    break
+        return start, best

@@ -76,8 +76,23 @@ class LossSqrtHessian(ABC):
         """
 
     @abstractmethod
+    def normalizer(self, loss_func: nn.Module, target: Tensor) -> Tensor:
+        """The divisor of ``reduction="mean"``, from the targets alone.
+
+        It is additive over sub-batches, so a batch split into parts is normalized
+        exactly by the sum of the parts' normalizers.
+
+        Args:
+            loss_func: The user's loss module.
+            target: Targets of the whole batch.
+
+        Returns:
+            Scalar tensor.
+        """
+
+    @abstractmethod
     def factorize(
-        self, loss_func: nn.Module, output: Tensor, target: Tensor
+        self, loss_func: nn.Module, output: Tensor, target: Tensor, scale: float | Tensor
     ) -> SqrtHessianFactor:
         """Build the square-root factor for one batch.
 
@@ -85,6 +100,8 @@ class LossSqrtHessian(ABC):
             loss_func: The user's loss module.
             output: Detached model output, shape ``[N, ...]``.
             target: Detached targets.
+            scale: Factor of the loss: ``1`` for ``reduction="sum"``, ``1 / normalizer``
+                of the whole batch for ``"mean"``.
 
         Returns:
             The factor, whose columns can be requested range by range.
@@ -142,9 +159,11 @@ class MSELossSqrtHessian(LossSqrtHessian):
     def check_shapes(self, loss_func, output, target) -> None:
         _same_shape(output, target, "MSELoss")
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
-        scale = 2.0 / output.numel() if loss_func.reduction == "mean" else 2.0
-        return _DiagonalFactor(torch.full_like(output, math.sqrt(scale)))
+    def normalizer(self, loss_func, target) -> Tensor:
+        return torch.tensor(float(target.numel()))
+
+    def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
+        return _DiagonalFactor(torch.full_like(output, math.sqrt(2.0 * float(scale))))
 
 
 class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
@@ -169,7 +188,10 @@ class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
     def check_shapes(self, loss_func, output, target) -> None:
         _same_shape(output, target, "BCEWithLogitsLoss")
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
+    def normalizer(self, loss_func, target) -> Tensor:
+        return torch.tensor(float(target.numel()))
+
+    def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
         prob = torch.sigmoid(output)
         hess = prob * (1.0 - prob)
         if loss_func.pos_weight is not None:
@@ -177,9 +199,7 @@ class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
             hess = hess * (pos_weight * target + 1.0 - target)
         if loss_func.weight is not None:
             hess = hess * loss_func.weight.to(output)
-        if loss_func.reduction == "mean":
-            hess = hess / output.numel()
-        hess = torch.broadcast_to(hess, output.shape)
+        hess = torch.broadcast_to(hess * float(scale), output.shape)
         # Soft targets outside [0, 1] with pos_weight could make entries negative.
         return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
 
@@ -262,7 +282,16 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
                     f"{expected} (the class axis is axis 1 of the output)."
                 )
 
-    def factorize(self, loss_func, output, target) -> SqrtHessianFactor:
+    def normalizer(self, loss_func, target) -> Tensor:
+        if target.is_floating_point():  # probabilities [N, C, ...]: one per position
+            return torch.tensor(float(target.numel() // target.shape[1]))
+        valid = target != loss_func.ignore_index
+        if loss_func.weight is None:
+            return valid.sum().double().cpu()
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        return (loss_func.weight[safe] * valid).sum().double().cpu()
+
+    def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
         num_classes = output.shape[1]
         eps = loss_func.label_smoothing
         class_weight = loss_func.weight
@@ -274,7 +303,6 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
             if class_weight is not None:
                 soft = soft * class_weight.view(shape)
             factor = soft.sum(dim=1)
-            norm = factor.new_tensor(float(factor.numel()))
         else:
             valid = target != loss_func.ignore_index
             safe_target = torch.where(valid, target, torch.zeros_like(target))
@@ -288,9 +316,7 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
             factor = (1.0 - eps) * target_weight
             if eps > 0:
                 factor = factor + eps * (smooth * valid if class_weight is None else smooth)
-            norm = target_weight.sum()
-        if loss_func.reduction == "mean":
-            factor = factor / norm
+        factor = factor * float(scale)
         return _SoftmaxFactor(torch.softmax(output, dim=1), factor)
 
 

@@ -1,0 +1,238 @@
+"""The chunk scheduler: budgets, auto-tuning, out-of-memory recovery, batch splitting.
+
+Scheduling logic is tested with a simulated memory tracker (deterministic); the real
+peak memory under a budget is measured in fresh processes in test_budget_memory.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk import ChunkScheduler, MemoryBudgetError, OutOfMemoryRecoveryWarning
+from ggnchunk._engine import GGNComputation
+from ggnchunk._memory import parse_memory
+from tests.cases import LOSSES, MODELS
+from tests.reference import assert_diag_close
+
+MiB = 2**20
+
+
+class SimulatedMemory:
+    """Peak of a chunk = level + fixed + per_index * size; fails above ``limit``."""
+
+    def __init__(self, fixed=10 * MiB, per_index=MiB, limit=None):
+        self.fixed, self.per_index, self.limit = fixed, per_index, limit
+        self.level, self.size = 0, 0
+
+    def current(self):
+        return self.level
+
+    def measure(self, fn):
+        result = fn()
+        return result, self.level + self.fixed + self.per_index * self.size, 1e-3
+
+    def run(self, start, stop):
+        self.size = stop - start
+        if self.limit is not None and self.fixed + self.per_index * self.size > self.limit:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return torch.tensor(float(sum(range(start, stop))))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512MiB", 512 * MiB), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
+     ("300 mb", 300_000_000), ("4096", 4096), (1024, 1024), ("1e3KB", 10**6)],
+)  # fmt: skip
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["2 parsecs", "GiB", "-1GiB", 0, -5, 1.5, True, "1,5GB"])
+def test_parse_memory_rejects(bad):
+    with pytest.raises((ValueError, TypeError), match="max_memory"):
+        parse_memory(bad)
+
+
+@pytest.mark.parametrize("budget_mib", [20, 50, 200, 5000])
+def test_budget_mode_fits_the_budget_and_covers_everything(budget_mib):
+    sim = SimulatedMemory()
+    total, report = ChunkScheduler(max_memory=budget_mib * MiB, tracker=sim).run(
+        1000, sim.run
+    )
+    assert total.item() == sum(range(1000))
+    assert report.peak_extra_bytes <= budget_mib * MiB
+    covered = sorted((c.start, c.stop) for c in report.chunks)
+    assert covered[0][0] == 0 and covered[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+    # the bulk chunk size is as large as the budget allows (up to the safety margin)
+    expected = min(1000, int((0.92 * budget_mib * MiB - 10 * MiB) // MiB))
+    assert report.chunk_size == expected
+
+
+def test_budget_too_small_for_one_index():
+    sim = SimulatedMemory(fixed=30 * MiB)
+    with pytest.raises(MemoryBudgetError, match=r"max_memory is 20\.0 MiB.*31\.0 MiB"):
+        ChunkScheduler(max_memory="20MiB", tracker=sim).run(100, sim.run)
+
+
+def test_auto_picks_the_fastest_size_and_caches_it():
+    ggnchunk.clear_autotune_cache()
+    sim = SimulatedMemory()
+
+    def timed_measure(fn):  # time per index is lowest at 32 indices per chunk
+        result, peak, _ = SimulatedMemory.measure(sim, fn)
+        return result, peak, sim.size * (1.0 + abs(sim.size - 32) / 64) * 1e-3
+
+    sim.measure = timed_measure
+    scheduler = ChunkScheduler(chunk_size="auto", max_memory="300MiB", tracker=sim,
+                               cache_key="toy")  # fmt: skip
+    total, report = scheduler.run(2000, sim.run)
+    assert total.item() == sum(range(2000))
+    assert report.mode == "auto" and 16 <= report.chunk_size <= 64
+    again, report2 = scheduler.run(2000, sim.run)
+    assert report2.from_cache and report2.chunk_size == report.chunk_size
+    assert again.item() == total.item()
+    ggnchunk.clear_autotune_cache()
+
+
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_out_of_memory_splits_and_keeps_finished_chunks(mode):
+    sim = SimulatedMemory(limit=40 * MiB)  # chunks of more than 30 indices fail
+    calls = []
+
+    def run(start, stop):
+        calls.append((start, stop))
+        return sim.run(start, stop)
+
+    kwargs = (
+        {"num_chunks": 4} if mode == "fixed" else {"max_memory": "1GiB", "tracker": sim}
+    )
+    with pytest.warns(OutOfMemoryRecoveryWarning, match="ran out of memory") as record:
+        total, report = ChunkScheduler(**kwargs).run(200, run)
+    assert len(record) == 1
+    assert total.item() == sum(range(200))
+    assert report.out_of_memory_splits > 0
+    assert all(c.stop - c.start <= 30 for c in report.chunks)
+    done = [(c.start, c.stop) for c in report.chunks]
+    assert len(set(done)) == len(done)  # no finished chunk was run twice
+
+
+def test_out_of_memory_of_a_single_index_reaches_the_user():
+    sim = SimulatedMemory(limit=5 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        ChunkScheduler(num_chunks=2).run(10, sim.run)
+
+
+def test_no_recovery_when_switched_off():
+    sim = SimulatedMemory(limit=40 * MiB)
+    with pytest.raises(torch.OutOfMemoryError):
+        ChunkScheduler(num_chunks=2, recover_oom=False).run(100, sim.run)
+
+
+def test_other_errors_are_not_retried():
+    def run(start, stop):
+        raise ValueError("a bug, not a lack of memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        ChunkScheduler(num_chunks=2).run(10, run)
+
+
+# -- through diag_ggn ---------------------------------------------------------------------
+
+
+def _problem(model_index=1, loss_index=0, seed=0):
+    model, x = MODELS[model_index].make(seed)
+    with torch.no_grad():
+        out = model(x)
+    torch.manual_seed(seed + 1)
+    loss_func, targets = LOSSES[loss_index].build(out)
+    return model, loss_func, x, targets
+
+
+class _SimulatedDevice(SimulatedMemory):
+    """Simulated memory for diag_ggn: the chunk size comes from the engine's backward."""
+
+    def __init__(self, monkeypatch, **kwargs):
+        super().__init__(**kwargs)
+        original = GGNComputation.backward
+        sim = self
+
+        def backward(run, start, stop, retain_graph=True):
+            sim.size = stop - start
+            if sim.limit is not None and sim.fixed + sim.per_index * sim.size > sim.limit:
+                raise RuntimeError(
+                    "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
+                    "allocate memory: you tried to allocate 123456789 bytes."
+                )
+            return original(run, start, stop, retain_graph)
+
+        monkeypatch.setattr(GGNComputation, "backward", backward)
+        monkeypatch.setattr(ggnchunk._api, "PeakTracker", lambda device: sim)
+
+
+@pytest.mark.parametrize("loss_index", range(len(LOSSES)))
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_memory": "40MiB"}, {"chunk_size": "auto", "max_memory": "60MiB"},
+     {"chunk_size": 5, "batch_chunk_size": 2},
+     {"max_memory": "30MiB", "batch_chunk_size": 1}],
+    ids=["budget", "auto", "batch2-size5", "batch1-budget"],
+)  # fmt: skip
+def test_scheduled_results_equal_one_pass(monkeypatch, loss_index, kwargs):
+    model_index = 5 if LOSSES[loss_index].needs_classes else 1  # image-shaped outputs
+    model, loss_func, x, targets = _problem(model_index, loss_index)
+    one_pass = ggnchunk.diag_ggn(model, loss_func, x, targets)
+    _SimulatedDevice(monkeypatch, per_index=MiB // 2)
+    ggnchunk.clear_autotune_cache()
+    actual, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True,
+                                       **kwargs)  # fmt: skip
+    assert_diag_close(actual, one_pass, rtol=1e-5, label=str(kwargs))
+    assert report.num_passes > len(report.batch_chunks)  # really chunked
+    if "batch_chunk_size" in kwargs:
+        assert len(report.batch_chunks) == -(-x.shape[0] // kwargs["batch_chunk_size"])
+
+
+def test_out_of_memory_recovery_inside_diag_ggn_is_exact(monkeypatch):
+    model, loss_func, x, targets = _problem(1, 0)
+    one_pass = ggnchunk.diag_ggn(model, loss_func, x, targets)
+    _SimulatedDevice(monkeypatch, limit=10 * MiB + 9 * MiB)  # more than 9 columns fail
+    with pytest.warns(OutOfMemoryRecoveryWarning, match="at most 9 columns"):
+        actual, report = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2,
+                                           return_report=True)  # fmt: skip
+    assert_diag_close(actual, one_pass, rtol=1e-5)
+    assert report.chunk_size <= 9 and report.schedules[0].out_of_memory_splits >= 2
+
+
+def test_batch_chunks_refuse_coupled_samples():
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).train()
+    with pytest.raises(ValueError, match="training mode, where it couples the samples"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), torch.randn(6, 4), torch.randn(6, 3),
+                          batch_chunk_size=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [({"max_memory": "1GiB", "num_chunks": 2}, "max_memory was given together"),
+     ({"chunk_size": "fast"}, "chunk_size='fast' is not understood"),
+     ({"chunk_size": "auto", "num_chunks": 3}, "'auto' chooses the chunking"),
+     ({"max_memory": "lots"}, "max_memory='lots' is not a memory size"),
+     ({"batch_chunk_size": 0}, "batch_chunk_size must be a positive int")],
+)  # fmt: skip
+def test_bad_scheduler_arguments(kwargs, pattern):
+    model, loss_func, x, targets = _problem(1, 0)
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        ggnchunk.diag_ggn(model, loss_func, x, targets, **kwargs)
+
+
+def test_budget_too_small_raises_memory_budget_error(monkeypatch):
+    model, loss_func, x, targets = _problem(1, 0)
+    _SimulatedDevice(monkeypatch, fixed=30 * MiB)
+    with pytest.raises(
+        MemoryBudgetError, match=r"a chunk of 1 of the columns already needs"
+    ):
+        ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="20MiB")
