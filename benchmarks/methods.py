@@ -98,9 +98,16 @@ def slicing_loop(model, loss_func, inputs, targets, num_chunks: int = 4) -> list
     return result
 
 
-def ggnchunk_method(model, loss_func, inputs, targets, **params) -> list[Tensor]:
-    """``ggnchunk.diag_ggn`` with the given chunking arguments."""
-    return list(ggnchunk.diag_ggn(model, loss_func, inputs, targets, **params).values())
+def ggnchunk_method(
+    model, loss_func, inputs, targets, **params
+) -> tuple[list[Tensor], dict]:
+    """``ggnchunk.diag_ggn`` with the given chunking arguments; also its chunking."""
+    diag, report = ggnchunk.diag_ggn(
+        model, loss_func, inputs, targets, return_report=True, **params
+    )
+    info = {"chunk_size": report.chunk_size, "passes": report.num_passes,
+            "columns": report.num_columns}  # fmt: skip
+    return list(diag.values()), info
 
 
 def torch_func_brute_force(model, loss_func, inputs, targets) -> list[Tensor]:

@@ -32,6 +32,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _unpack(result, record: dict) -> list:
+    """Methods return a diagonal, or ``(diagonal, info)``: keep the info in the record."""
+    if isinstance(result, tuple):
+        result, info = result
+        record.update(info)
+    return result
+
+
 def run_here(
     problem: str,
     method: str,
@@ -41,11 +49,20 @@ def run_here(
     repeats: int = 3,
     scale: int = 1,
     save_diag: str | None = None,
+    flops: bool = False,
 ) -> dict:
-    """Measure one configuration in this process; return a JSON-ready record."""
+    """Measure one configuration in this process; return a JSON-ready record.
+
+    ``params`` go to the method, except ``float64`` (run the problem in float64).
+    """
     from ggnchunk import measure_peak_memory
 
+    params = dict(params)
     model, loss_func, x, y = build(problem, device, scale)
+    if params.pop("float64", False):
+        model, loss_func = model.double(), loss_func.double()
+        x = x.double() if x.is_floating_point() else x
+        y = y.double() if y.is_floating_point() else y
     fn = METHODS[method]
     record = {
         "problem": problem,
@@ -69,11 +86,18 @@ def run_here(
             _sync(device)
             times.append(time.perf_counter() - start)
         record["times_s"] = times
-        record["median_s"] = statistics.median(times)
+        record["median_s"] = statistics.median(times) if times else record["first_call_s"]
+        diag = _unpack(diag, record)
+        if flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as counter:
+                fn(model, loss_func, x, y, **params)
+            record["flops"] = counter.get_total_flops()
     else:
         cold = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
         warm = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
-        diag = warm.result
+        diag = _unpack(warm.result, record)
         record["cold_peak_mib"] = cold.peak_extra_mib
         record["peak_mib"] = warm.peak_extra_mib
         record["memory_method"] = warm.method
@@ -94,6 +118,7 @@ def run_isolated(
     threads: int | None = None,
     save_diag: bool = False,
     timeout: float = 1800,
+    flops: bool = False,
 ) -> dict:
     """Run :func:`run_here` in a fresh Python process and return its record.
 
@@ -114,6 +139,8 @@ def run_isolated(
     ]  # fmt: skip
     if diag_file:
         cmd += ["--save-diag", str(diag_file)]
+    if flops:
+        cmd.append("--flops")
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -141,10 +168,11 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-diag", default=None)
+    parser.add_argument("--flops", action="store_true")
     args = parser.parse_args()
     record = run_here(
         args.problem, args.method, json.loads(args.params), args.mode, args.device,
-        args.repeats, args.scale, args.save_diag,
+        args.repeats, args.scale, args.save_diag, args.flops,
     )  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=2))
 

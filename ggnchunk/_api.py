@@ -115,8 +115,8 @@ def diag_ggn(
             for ``mean`` and ``sum``: the mean's normalizer is that of the whole batch.
         recover_oom: If a backward pass runs out of memory, split its chunk in halves and
             retry, keeping finished chunks (warns once with the chunk size that worked).
-            Every pass then keeps the graph until the end; ``False`` frees it during the
-            last pass instead.
+            If the failed pass was the last one, which frees the graph as it goes, the
+            forward pass is run again first (with the same random state).
         return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
 
     Returns:
@@ -179,7 +179,7 @@ def diag_ggn(
             report.num_columns = columns
 
             def backward(a: int, b: int, run=run, columns=columns) -> None:
-                run.backward(a, b, retain_graph=recover_oom or b < columns)
+                run.backward(a, b, retain_graph=b < columns)
 
             scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
             _, schedule = scheduler.run(columns, backward, baseline=baseline)

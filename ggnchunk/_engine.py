@@ -130,6 +130,8 @@ class GGNComputation:
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
+        self._rng: Tensor | None = None
+        self._cuda_rng: Tensor | None = None
         self.gradient: list[Tensor | None] | None = None
         self.diagonal: list[Tensor] = [torch.zeros_like(p) for p in self._params]
         self.passes = 0
@@ -206,8 +208,18 @@ class GGNComputation:
             ValueError: If the model output does not fit the targets, or the layers are not
                 connected the way BackPACK needs.
         """
-        with torch.enable_grad(), quiet_backpack_warnings():
-            output = self._model(self._inputs)
+        if self._rng is None:  # remember the random state: a re-run draws the same masks
+            self._rng = torch.get_rng_state()
+            if self._inputs.device.type == "cuda":
+                self._cuda_rng = torch.cuda.get_rng_state(self._inputs.device)
+        self._records.clear()
+        devices = [self._inputs.device] if self._inputs.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self._rng)
+            if devices:
+                torch.cuda.set_rng_state(self._cuda_rng, self._inputs.device)
+            with torch.enable_grad(), quiet_backpack_warnings():
+                output = self._model(self._inputs)
         if not isinstance(output, Tensor):
             raise ValueError(
                 f"the model returned a {type(output).__name__}; ggnchunk needs a single "
@@ -304,14 +316,18 @@ class GGNComputation:
         """Add the GGN diagonal of columns ``start:stop`` to :attr:`diagonal`.
 
         Nothing is added if the pass fails, so a failed range can be retried (split into
-        smaller ranges) as long as ``retain_graph`` was ``True``.
+        smaller ranges). If the graph is gone (a pass with ``retain_graph=False`` ran or
+        failed), the forward pass is run again first, with the same random state (the
+        same dropout masks), so any range can still be computed.
 
         Args:
             start: First column (inclusive).
             stop: Last column (exclusive).
             retain_graph: Keep the forward graph for further passes. ``False`` frees it
-                during this pass (slightly lower peak memory on the last pass).
+                during this pass (lower peak memory and time on the last pass).
         """
+        if self._output is None and self._factor is not None:
+            self.forward()
         factor = self._require_factor()
         extension = self._extension()
         output, loss = self._output, self._loss
@@ -326,6 +342,10 @@ class GGNComputation:
                     loss, self._params, retain_graph=retain_graph, allow_unused=True
                 )
             chunk = [getattr(param, _SAVEFIELD, None) for param in self._params]
+        except BaseException:
+            if not retain_graph:  # the graph may be partly freed: forward again if retried
+                self._drop_graph()
+            raise
         finally:
             for param in self._params:
                 if hasattr(param, _SAVEFIELD):
@@ -337,4 +357,9 @@ class GGNComputation:
             self.gradient = list(gradient)
         self.passes += 1
         if not retain_graph:
-            self._output = self._loss = None
+            self._drop_graph()
+
+    def _drop_graph(self) -> None:
+        self._output = self._loss = None
+        for _, module in self._modules.leaves:
+            memory_cleanup(module)

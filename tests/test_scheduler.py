@@ -236,3 +236,27 @@ def test_budget_too_small_raises_memory_budget_error(monkeypatch):
         MemoryBudgetError, match=r"a chunk of 1 of the columns already needs"
     ):
         ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="20MiB")
+
+
+def test_failure_of_the_last_pass_after_the_graph_was_freed_reruns_the_forward(monkeypatch):
+    """The last pass frees the graph as it goes; a retry needs a new, identical forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 6))
+    x, y = torch.randn(4, 5), torch.randn(4, 6)
+    torch.manual_seed(7)
+    expected = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)  # dropout active: train mode
+    real_grad, failed = torch.autograd.grad, []
+
+    def grad(*args, **kwargs):
+        result = real_grad(*args, **kwargs)
+        if kwargs.get("retain_graph") is False and not failed:
+            failed.append(True)  # the graph is freed now; pretend the pass ran out
+            raise torch.OutOfMemoryError("simulated: out of memory at the end of a pass")
+        return result
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    torch.manual_seed(7)
+    with pytest.warns(OutOfMemoryRecoveryWarning):
+        actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
+    assert failed
+    assert_diag_close(actual, expected, rtol=1e-5)
