@@ -8,9 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._checks import check_positive_int, check_tensors, trainable_parameters
-from ggnchunk._engine import GGNComputation
+from ggnchunk._engine import BrokenChainError, GGNComputation
 from ggnchunk._memory import PeakTracker
-from ggnchunk._modules import check_model
+from ggnchunk._modules import CONTAINERS, check_model
 from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
 from ggnchunk._sqrt_hessians import lookup_loss
 
@@ -61,6 +61,67 @@ def _cache_key(model, loss_func, inputs, params, device) -> tuple:
         tuple(inputs.shape), inputs.dtype, tuple(p.dtype for _, p in params), str(device),
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def _custom_ancestors(
+    model: nn.Module, name: str | None, atomic: frozenset[str]
+) -> list[str]:
+    """Custom containers above layer ``name``, deepest first, not yet single units."""
+    if name is None:
+        return []
+    parts = name.split(".") if name else []
+    found = []
+    for depth in range(len(parts) - 1, -1, -1):
+        candidate = ".".join(parts[:depth])
+        module = model.get_submodule(candidate)
+        if candidate not in atomic and not isinstance(module, CONTAINERS):
+            found.append(candidate)
+    return found
+
+
+def _container_of(
+    model: nn.Module, broken: BrokenChainError, atomic: frozenset[str]
+) -> str | None:
+    """The custom container whose forward most likely holds the operation BackPACK missed.
+
+    First the containers that the previous layer is in but the broken one is not (their
+    forward ended with the operation, e.g. a residual ``x + f(x)``), then the broken
+    layer's own containers, deepest first. Each retry makes one more container a unit.
+    """
+    own = _custom_ancestors(model, broken.module_name, atomic)
+    before = [c for c in _custom_ancestors(model, broken.previous, atomic) if c not in own]
+    candidates = before + own
+    return candidates[0] if candidates else None
+
+
+def _compute(
+    model, modules, loss_func, handler, inputs, targets, params, scale, scheduler,
+    baseline, batch, batch_chunk_size, device,
+) -> tuple[list[Tensor], GGNReport]:  # fmt: skip
+    """Every sub-batch: forward, then the scheduled backward passes; the summed diagonal."""
+    report = GGNReport(
+        batch_chunks=plan_chunks(batch, chunk_size=min(batch_chunk_size or batch, batch),
+                                 what="samples")
+    )  # fmt: skip
+    total = [torch.zeros_like(p) for _, p in params]
+    for start, stop in report.batch_chunks:
+        sub_inputs, sub_targets = inputs[start:stop], targets[start:stop]
+        with GGNComputation(
+            model, modules, loss_func, handler, sub_inputs, sub_targets, params, scale
+        ) as run:
+            run.forward()
+            columns = run.num_columns
+            report.num_columns = columns
+
+            def backward(a: int, b: int, run=run, columns=columns) -> None:
+                run.backward(a, b, retain_graph=b < columns)
+
+            scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
+            _, schedule = scheduler.run(columns, backward, baseline=baseline)
+            report.schedules.append(schedule)
+            for accumulator, value in zip(total, run.diagonal, strict=True):
+                accumulator.add_(value)
+    return total, report
 
 
 def diag_ggn(
@@ -143,7 +204,7 @@ def diag_ggn(
     handler = lookup_loss(loss_func)
     handler.check(loss_func)
     check_chunking(num_chunks, chunk_size, max_memory)
-    modules = check_model(model)
+    check_model(model)
     params = trainable_parameters(model)
     check_tensors(params, inputs, targets)
     batch = inputs.shape[0]
@@ -157,8 +218,6 @@ def diag_ggn(
     scale = 1.0
     if loss_func.reduction == "mean":
         scale = 1.0 / float(handler.normalizer(loss_func, targets))
-    report = GGNReport(batch_chunks=plan_chunks(batch, chunk_size=min(batch_chunk_size or
-                                                batch, batch), what="samples"))  # fmt: skip
     scheduler = ChunkScheduler(
         num_chunks=num_chunks,
         chunk_size=chunk_size,
@@ -168,23 +227,18 @@ def diag_ggn(
         what="columns",
         tracker=tracker,
     )
-    total = [torch.zeros_like(p) for _, p in params]
-    for start, stop in report.batch_chunks:
-        sub_inputs, sub_targets = inputs[start:stop], targets[start:stop]
-        with GGNComputation(
-            model, modules, loss_func, handler, sub_inputs, sub_targets, params, scale
-        ) as run:
-            run.forward()
-            columns = run.num_columns
-            report.num_columns = columns
-
-            def backward(a: int, b: int, run=run, columns=columns) -> None:
-                run.backward(a, b, retain_graph=b < columns)
-
-            scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
-            _, schedule = scheduler.run(columns, backward, baseline=baseline)
-            report.schedules.append(schedule)
-            for accumulator, value in zip(total, run.diagonal, strict=True):
-                accumulator.add_(value)
+    atomic: frozenset[str] = frozenset()
+    while True:  # custom containers whose forward BackPACK cannot follow become units
+        try:
+            total, report = _compute(
+                model, check_model(model, atomic), loss_func, handler, inputs, targets,
+                params, scale, scheduler, baseline, batch, batch_chunk_size, device,
+            )  # fmt: skip
+            break
+        except BrokenChainError as broken:
+            container = _container_of(model, broken, atomic)
+            if container is None:
+                raise
+            atomic = atomic | {container}
     diagonal = {name: value for (name, _), value in zip(params, total, strict=True)}
     return (diagonal, report) if return_report else diagonal

@@ -32,6 +32,7 @@ from backpack.extensions import DiagGGNExact
 from backpack.extensions.module_extension import ModuleExtension
 from torch import Tensor, nn
 
+from ggnchunk._layers.fallback import AutogradJacobian, check_per_sample
 from ggnchunk._modules import SUPPORTED, HookedModules
 from ggnchunk._sqrt_hessians import LOSSES, LossSqrtHessian, SqrtHessianFactor
 
@@ -71,10 +72,31 @@ class _Skip(ModuleExtension):
 
 
 _SKIP = _Skip()
+_FALLBACK = AutogradJacobian()
+
+
+class BrokenChainError(ValueError):
+    """BackPACK cannot follow the layers: an operation outside them sits in between.
+
+    Attributes:
+        module_name: The layer whose input is computed outside the layers, or, when the
+            model output is, the last layer that ran (``None`` if none ran).
+        previous: The layer that ran just before ``module_name`` (``None`` if none).
+    """
+
+    def __init__(self, message: str, module_name: str | None, previous: str | None = None):
+        super().__init__(message)
+        self.module_name = module_name
+        self.previous = previous
 
 
 def _signature(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _previous(order: list[str], name: str) -> str | None:
+    index = order.index(name) if name in order else 0
+    return order[index - 1] if index > 0 else None
 
 
 def _display(name: str) -> str:
@@ -250,10 +272,11 @@ class GGNComputation:
         produced: dict[tuple, set[str]] = {}
         for name, signatures in self._records.items():
             if len(signatures) > 1:
-                raise ValueError(
+                raise BrokenChainError(
                     f"{_display(name)} was called {len(signatures)} times in one forward "
                     "pass; ggnchunk (through BackPACK) needs each layer to be called once. "
-                    "Use a separate layer instance for each call."
+                    "Use a separate layer instance for each call.",
+                    name,
                 )
             produced.setdefault(signatures[0], set()).add(name)
         for name, module in self._modules.leaves:
@@ -266,20 +289,26 @@ class GGNComputation:
                 if not (isinstance(value, Tensor) and value.requires_grad):
                     continue
                 if not produced.get(_signature(value), set()) - {name}:
-                    raise ValueError(
+                    raise BrokenChainError(
                         f"the input of {_display(name)} ({type(module).__name__}) is "
                         "computed by an operation outside the model's layers (a functional "
                         "call such as torch.relu, x.view, x + y or torch.cat in forward). "
                         "BackPACK can only follow layers: replace the operation with a "
-                        "layer (nn.ReLU, nn.Flatten, ...)."
+                        "layer (nn.ReLU, nn.Flatten, ...).",
+                        name,
+                        _previous(list(self._records), name),
                     )
         if _signature(output) not in produced:
-            raise ValueError(
+            raise BrokenChainError(
                 "the model output is computed by an operation outside the model's layers "
                 "(for example a reshape or activation function at the end of forward). "
                 "Replace it with a layer (nn.Flatten, nn.Sigmoid, ...), or leave it out: "
-                "ggnchunk accepts image- and sequence-shaped outputs."
+                "ggnchunk accepts image- and sequence-shaped outputs.",
+                next(reversed(self._records), None),
             )
+        for name, module in self._modules.leaves:
+            if name in self._modules.fallback and name in self._records:
+                check_per_sample(name, module, module.input0, module.output)
 
     @property
     def num_columns(self) -> int:
@@ -308,6 +337,8 @@ class GGNComputation:
         for cls, module_extension in SUPPORTED.items():
             if module_extension is not None:
                 extension.set_module_extension(cls, module_extension, overwrite=True)
+        for cls in self._modules.fallback_classes:
+            extension.set_module_extension(cls, _FALLBACK, overwrite=True)
         for cls in LOSSES:
             extension.set_module_extension(cls, _SKIP, overwrite=True)
         return extension

@@ -8,9 +8,9 @@ first module that cannot be handled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from backpack.custom_module.branching import SumModule
+from backpack.custom_module.branching import Parallel, SumModule
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.permute import Permute
 from backpack.custom_module.reduce_tuple import ReduceTuple
@@ -59,6 +59,25 @@ _BACKPACK_LAYERS: tuple[type[nn.Module], ...] = (
 
 SUPPORTED: dict[type[nn.Module], ModuleExtension | None] = {
     **dict.fromkeys(_BACKPACK_LAYERS),
+    # Layers BackPACK 1.7.1 lacks (its issues #254, #263, #328): torch.func fallback.
+    **{
+        cls: AutogradJacobian()
+        for cls in (
+            nn.LayerNorm,
+            nn.GroupNorm,
+            nn.Upsample,
+            nn.UpsamplingNearest2d,
+            nn.UpsamplingBilinear2d,
+            nn.Unflatten,
+            nn.SiLU,
+            nn.GELU,
+            nn.Softplus,
+            nn.Softmax,
+            nn.LogSoftmax,
+            nn.Mish,
+            nn.Hardtanh,
+        )
+    },
     # BackPACK 1.7.1 builds the one-hot matrix in float32 and fails in float64.
     nn.Embedding: EmbeddingDiagGGN(),
     # BackPACK 1.7.1's (adaptive) average pooling builds a float32 kernel and fails in
@@ -88,25 +107,52 @@ class HookedModules:
     """The modules of a model that take part in the computation.
 
     Attributes:
-        leaves: ``(qualified name, module)`` of every module without children, which the
-            engine hooks for the duration of a call.
+        leaves: ``(qualified name, module)`` of every module the engine hooks for the
+            duration of a call: supported layers, and blocks handled by the
+            ``torch.func`` fallback as one unit.
         already_extended: Names of modules the user had extended with BackPACK before the
             call; their own hooks are used and left in place.
+        fallback: Names of the blocks handled by the fallback.
+        fallback_classes: Their classes (BackPACK dispatches by class).
     """
 
     leaves: list[tuple[str, nn.Module]]
     already_extended: list[str]
+    fallback: set[str] = field(default_factory=set)
+    fallback_classes: set[type[nn.Module]] = field(default_factory=set)
 
 
 def _display(name: str) -> str:
     return f"model.{name}" if name else "model"
 
 
-def check_model(model: nn.Module) -> HookedModules:
-    """Check every module of ``model`` before any work is done.
+CONTAINERS: tuple[type[nn.Module], ...] = (nn.Sequential, Parallel)
+"""Containers whose forward only chains (or sums) their children: always descended."""
+
+
+def _check_mode(name: str, module: nn.Module) -> None:
+    for sub_name, sub in module.named_modules(prefix=name):
+        if isinstance(sub, _SAMPLE_COUPLING) and sub.training:
+            raise ValueError(
+                f"{_display(sub_name)} ({type(sub).__name__}) is in training mode, where "
+                "it couples the samples of a batch and the GGN is not a sum over samples. "
+                "Call model.eval() (or this module's .eval()) before computing the "
+                "diagonal."
+            )
+
+
+def check_model(model: nn.Module, atomic: frozenset[str] = frozenset()) -> HookedModules:
+    """Check every module of ``model`` before any work is done, and decide how to hook it.
+
+    Layers in :data:`SUPPORTED` are hooked one by one; ``nn.Sequential`` and other
+    containers are descended into; a custom container is descended into too (its forward
+    may only chain its children), unless it is named in ``atomic``, which the engine does
+    when its forward turns out to do more (``torch.cat`` skips, functional calls): then it
+    is handled as one unit by the ``torch.func`` fallback, as is any unsupported layer.
 
     Args:
         model: The user's model.
+        atomic: Names of custom containers to handle as one fallback unit.
 
     Returns:
         The modules to hook.
@@ -121,8 +167,6 @@ def check_model(model: nn.Module) -> HookedModules:
             f"model must be a torch.nn.Module, got {type(model).__name__}. Wrap a function "
             "in an nn.Module whose forward calls registered layers."
         )
-    leaves: list[tuple[str, nn.Module]] = []
-    extended: list[str] = []
     owners: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, param in module.named_parameters(recurse=False):
@@ -134,39 +178,29 @@ def check_model(model: nn.Module) -> HookedModules:
                     "requires_grad=False on the shared one."
                 )
             owners[id(param)] = name
+    result = HookedModules(leaves=[], already_extended=[])
     seen: set[int] = set()
-    for name, module in model.named_modules():
+
+    def visit(name: str, module: nn.Module) -> None:
         if id(module) in seen:
-            continue
+            return
         seen.add(id(module))
-        has_children = next(module.children(), None) is not None
-        if has_children:
-            own = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
-            if own:
-                raise ValueError(
-                    f"{_display(name)} ({type(module).__name__}) has child modules and "
-                    "trainable parameters of its own used in its forward; ggnchunk needs "
-                    "every trainable parameter to belong to a layer without children. Move "
-                    "the parameter into a layer of its own (e.g. nn.Linear)."
-                )
-            continue
         cls = type(module)
+        has_children = next(module.children(), None) is not None
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if cls in _PASS_THROUGH:
-            continue
-        if cls not in SUPPORTED:
-            raise ValueError(
-                f"{_display(name)} is a {cls.__module__}.{cls.__qualname__}, which "
-                "ggnchunk cannot backpropagate the GGN through. Supported layers: "
-                f"{', '.join(sorted(c.__name__ for c in SUPPORTED))}. Replace it with a "
-                "supported layer (freezing parameters does not help: the GGN is "
-                "backpropagated through every layer of the model)."
-            )
-        if isinstance(module, _SAMPLE_COUPLING) and module.training:
-            raise ValueError(
-                f"{_display(name)} ({cls.__name__}) is in training mode, where it couples "
-                "the samples of a batch and the GGN is not a sum over samples. Call "
-                "model.eval() (or this module's .eval()) before computing the diagonal."
-            )
+            return
+        if cls in SUPPORTED:
+            kind = "leaf"
+        elif isinstance(module, CONTAINERS) or (
+            has_children and not own and name not in atomic
+        ):
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+            return
+        else:
+            kind = "fallback"
+        _check_mode(name, module)
         if getattr(module, "_is_full_backward_hook", None) is False:
             raise ValueError(
                 f"{_display(name)} has a hook registered with the deprecated "
@@ -174,9 +208,15 @@ def check_model(model: nn.Module) -> HookedModules:
                 "ggnchunk uses. Use register_full_backward_hook instead."
             )
         if getattr(module, "_backpack_extend", False):
-            extended.append(name)
-        leaves.append((name, module))
-    return HookedModules(leaves=leaves, already_extended=extended)
+            result.already_extended.append(name)
+        if kind == "fallback" or isinstance(SUPPORTED.get(cls), AutogradJacobian):
+            result.fallback.add(name)
+            if kind == "fallback":
+                result.fallback_classes.add(cls)
+        result.leaves.append((name, module))
+
+    visit("", model)
+    return result
 
 
 _NOTES: dict[type[nn.Module], str] = {
@@ -216,5 +256,9 @@ def supported_layers_table() -> str:
         rows.append(f"| `{cls.__module__}.{cls.__name__}` | pass-through | |")
     rows.append(
         "| `nn.Sequential` and containers whose forward only chains layers | not hooked | |"
+    )
+    rows.append(
+        "| any other per-sample module or block (e.g. a U-Net with `torch.cat` skips) | "
+        "ggnchunk: torch.func fallback, as one unit | exact; slower than BackPACK |"
     )
     return "\n".join(rows)

@@ -524,12 +524,19 @@ class _Run:
         return _Decision(fixed, slope), second.stop
 
     def _tune(self, start: int, size_max: int) -> tuple[int, int]:
-        """Time real chunks of decreasing size; return (next start, fastest size)."""
+        """Time real chunks of increasing size; return (next start, fastest size).
+
+        Sizes double from about ``total / 256`` up to the largest that fits the budget,
+        while the trials stay within a share of the range; the search stops once two
+        sizes in a row were slower per index than the best (time per index is U-shaped:
+        fixed costs per pass on the left, memory traffic on the right).
+        """
         allowance = int(_TRIAL_SHARE * (self.total - start))
-        candidates, size = [], size_max
-        while size >= 1 and sum(candidates) + size <= allowance and len(candidates) < 6:
+        size = max(1, min(size_max, self.total // 256))
+        candidates: list[int] = []
+        while size <= size_max and sum(candidates) + size <= allowance:
             candidates.append(size)
-            size //= 2
+            size *= 2
         if not candidates:
             return start, size_max
         best, best_rate, worse = size_max, float("inf"), 0

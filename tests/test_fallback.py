@@ -1,0 +1,122 @@
+"""Layers BackPACK lacks, models it cannot follow: exact through the torch.func fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from tests.models import Chain, Functional, PerSampleBlock, Residual, UNet
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+N = 3
+
+MODELS = {
+    "upsample-nearest-2d": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Upsample(scale_factor=2),
+                              nn.Conv2d(3, 2, 3)),
+        (2, 4, 4),
+    ),
+    "upsample-bilinear-2d": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.UpsamplingBilinear2d(scale_factor=2),
+                              nn.Tanh(), nn.Conv2d(3, 2, 3)),
+        (2, 3, 3),
+    ),
+    "upsample-linear-1d": (
+        lambda: nn.Sequential(
+            nn.Conv1d(2, 3, 3),
+            nn.Upsample(scale_factor=3, mode="linear"),
+            nn.Conv1d(3, 2, 1),
+        ),
+        (2, 5),
+    ),
+    "unflatten-mlp-to-conv": (
+        lambda: nn.Sequential(nn.Linear(5, 18), nn.Unflatten(1, (2, 3, 3)), nn.GELU(),
+                              nn.ConvTranspose2d(2, 2, 2)),
+        (5,),
+    ),
+    "layernorm-affine": (
+        lambda: nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.SiLU(), nn.Linear(6, 4)),
+        (5,),
+    ),
+    "layernorm-plain-seq": (
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6, elementwise_affine=False),
+                              nn.Linear(6, 3)),
+        (5, 4),
+    ),
+    "groupnorm-affine": (
+        lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.SiLU(),
+                              nn.Conv2d(4, 2, 1)),
+        (2, 5, 5),
+    ),
+    "groupnorm-plain": (
+        lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(4, 4, affine=False),
+                              nn.Conv2d(4, 2, 1)),
+        (2, 4, 4),
+    ),
+    "residual-skip": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 1), Residual(3), nn.Conv2d(3, 2, 1)),
+        (2, 4, 4),
+    ),
+    "unet-cat-skips": (lambda: UNet(), (2, 8, 8)),
+    "custom-chain": (Chain, (6,)),
+    "functional-ops": (Functional, (6,)),
+    "per-sample-block": (
+        lambda: nn.Sequential(nn.Linear(4, 5), PerSampleBlock(5), nn.Linear(5, 3)), (4,)
+    ),
+}  # fmt: skip
+
+
+def _build(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    build, shape = MODELS[name]
+    model = build().double().eval()
+    for module in model.modules():  # non-trivial norm parameters
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) and module.weight is not None:
+            module.weight.data.normal_()
+            module.bias.data.normal_()
+    x = torch.randn(N, *shape, dtype=torch.float64)
+    return model, x
+
+
+@pytest.mark.parametrize("loss", ["mse-mean", "bce-sum", "ce-mean"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fallback_is_exact(name, loss):
+    model, x = _build(name)
+    with torch.no_grad():
+        out = model(x)
+    torch.manual_seed(1)
+    if loss == "mse-mean":
+        loss_func, y = nn.MSELoss(), torch.randn_like(out)
+    elif loss == "bce-sum":
+        loss_func, y = nn.BCEWithLogitsLoss(reduction="sum"), torch.rand_like(out).round()
+    else:
+        loss_func = nn.CrossEntropyLoss()
+        y = torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]))
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    columns = out[0].numel()
+    for kwargs in ({}, {"num_chunks": 3}, {"chunk_size": max(1, columns // 2 - 1)}):
+        actual = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} {kwargs}")
+
+
+def test_unet_hooks_only_the_whole_model_and_leaves_nothing_behind():
+    model, x = _build("unet-cat-skips")
+    before = [(list(m._forward_hooks), list(m._backward_hooks)) for m in model.modules()]
+    ggnchunk.diag_ggn(model, nn.MSELoss(), x, x, num_chunks=4)
+    after = [(list(m._forward_hooks), list(m._backward_hooks)) for m in model.modules()]
+    assert before == after
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+
+
+def test_custom_chain_uses_backpack_layers_not_the_fallback(monkeypatch):
+    from ggnchunk._layers.fallback import AutogradJacobian
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the fallback ran for a model BackPACK can follow")
+
+    monkeypatch.setattr(AutogradJacobian, "__call__", forbidden)
+    model, x = _build("custom-chain")
+    ggnchunk.diag_ggn(model, nn.MSELoss(), x, x, num_chunks=2)
