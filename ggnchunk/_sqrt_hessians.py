@@ -148,6 +148,36 @@ class _DiagonalFactor(SqrtHessianFactor):
         return result.view(count, *self._shape)
 
 
+class _ScaledIdentityFactor(SqrtHessianFactor):
+    """Square root ``c * I``, the same for every sample: stored once, expanded over N.
+
+    Like BackPACK's own MSE square root, the batch axis is a stride-0 expansion, so a
+    chunk of ``L`` columns costs ``L * D`` entries instead of ``L * N * D`` and the
+    layers' einsums read less memory.
+    """
+
+    def __init__(self, output: Tensor, value: float):
+        self._shape = output.shape
+        self._batch = output.shape[0]
+        self._features = output[0].numel()
+        self._value = value
+        self._dtype, self._device = output.dtype, output.device
+        self.num_columns = self._features
+        self._column_numel = self._features
+        self._element_size = output.element_size()
+
+    def columns(self, start: int, stop: int) -> Tensor:
+        count = stop - start
+        rows = torch.zeros(count, self._features, dtype=self._dtype, device=self._device)
+        local = torch.arange(count, device=self._device)
+        rows[local, local + start] = self._value
+        return (
+            rows.unsqueeze(1)
+            .expand(count, self._batch, self._features)
+            .view(count, *self._shape)
+        )
+
+
 class MSELossSqrtHessian(LossSqrtHessian):
     """``nn.MSELoss``: Hessian ``2 / norm * I`` per sample (``norm = N * D`` for mean)."""
 
@@ -163,7 +193,7 @@ class MSELossSqrtHessian(LossSqrtHessian):
         return torch.tensor(float(target.numel()))
 
     def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
-        return _DiagonalFactor(torch.full_like(output, math.sqrt(2.0 * float(scale))))
+        return _ScaledIdentityFactor(output, math.sqrt(2.0 * float(scale)))
 
 
 class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
