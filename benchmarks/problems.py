@@ -65,12 +65,47 @@ def segmentation(scale: int = 1) -> Problem:
     return model, nn.CrossEntropyLoss(), x, y
 
 
+class UNet(nn.Module):
+    """Two levels down, two up, ``torch.cat`` skips, GroupNorm, Upsample, SiLU."""
+
+    def __init__(self, channels: int = 3, width: int = 8):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU()
+            )
+
+        self.enc0 = block(channels, width)
+        self.enc1 = nn.Sequential(nn.AvgPool2d(2), block(width, 2 * width))
+        self.bottom = nn.Sequential(nn.AvgPool2d(2), block(2 * width, 2 * width))
+        self.up1 = nn.Upsample(scale_factor=2)
+        self.dec1 = block(4 * width, width)
+        self.up0 = nn.Upsample(scale_factor=2)
+        self.dec0 = block(2 * width, width)
+        self.head = nn.Conv2d(width, channels, 1)
+
+    def forward(self, x):  # noqa: D102
+        e0 = self.enc0(x)
+        e1 = self.enc1(e0)
+        b = self.bottom(e1)
+        d1 = self.dec1(torch.cat([self.up1(b), e1], dim=1))
+        return self.head(self.dec0(torch.cat([self.up0(d1), e0], dim=1)))
+
+
+def unet(scale: int = 1) -> Problem:
+    """Small U-Net autoencoder on ``[2, 3, 16, 16]`` (torch.func fallback), MSE."""
+    x = torch.rand(2 * scale, 3, 16, 16)
+    return UNet(), nn.MSELoss(), x, x
+
+
 PROBLEMS: dict[str, Callable[[int], Problem]] = {
     "tutorial_conv_ae": tutorial_conv_ae,
     "mlp_ae": mlp_ae,
     "conv_ae_28": conv_ae_28,
     "classifier_1000": classifier_1000,
     "segmentation": segmentation,
+    "unet": unet,
 }
 
 
