@@ -3,7 +3,8 @@
 The public API is exactly what this module exports.
 """
 
-from ggnchunk._api import GGNReport, diag_ggn
+from ggnchunk._api import GGNReport, diag_ggn, loss_grad_and_diag_ggn
+from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._modules import supported_layers_table
 from ggnchunk._scheduler import (
@@ -21,6 +22,9 @@ __version__ = "0.1.0"
 __all__ = [
     # computing diagonals
     "diag_ggn",
+    "diag_ggn_dataset",
+    "loss_grad_and_diag_ggn",
+    "DiagGGNAccumulator",
     "GGNReport",
     # scheduling chunks (generic: any sum over an index range)
     "ChunkScheduler",

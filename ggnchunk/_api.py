@@ -8,13 +8,14 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._checks import check_positive_int, check_tensors, trainable_parameters
+from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
 from ggnchunk._engine import BrokenChainError, GGNComputation
 from ggnchunk._memory import PeakTracker
 from ggnchunk._modules import CONTAINERS, check_model
 from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
 from ggnchunk._sqrt_hessians import lookup_loss
 
-__all__ = ["GGNReport", "diag_ggn"]
+__all__ = ["GGNReport", "diag_ggn", "loss_grad_and_diag_ggn"]
 
 
 @dataclass
@@ -94,16 +95,33 @@ def _container_of(
     return candidates[0] if candidates else None
 
 
+@dataclass
+class _Evaluation:
+    """What one batch gives: loss, gradient and diagonal, as lists in parameter order."""
+
+    loss: Tensor
+    gradient: list[Tensor]
+    diagonal: list[Tensor]
+    report: GGNReport
+    normalizer: float  # of the mean reduction (1 for sum)
+
+
 def _compute(
     model, modules, loss_func, handler, inputs, targets, params, scale, scheduler,
-    baseline, batch, batch_chunk_size, device,
-) -> tuple[list[Tensor], GGNReport]:  # fmt: skip
-    """Every sub-batch: forward, then the scheduled backward passes; the summed diagonal."""
+    baseline, batch, batch_chunk_size, device, group=None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], GGNReport]:  # fmt: skip
+    """Every sub-batch: forward, then the scheduled backward passes; summed results.
+
+    Loss, gradient and diagonal are those of ``scale * (the loss with reduction="sum")``.
+    """
     report = GGNReport(
         batch_chunks=plan_chunks(batch, chunk_size=min(batch_chunk_size or batch, batch),
                                  what="samples")
     )  # fmt: skip
     total = [torch.zeros_like(p) for _, p in params]
+    gradient = [torch.zeros_like(p) for _, p in params]
+    loss = torch.zeros((), dtype=params[0][1].dtype, device=device)
+    mean = loss_func.reduction == "mean"
     for start, stop in report.batch_chunks:
         sub_inputs, sub_targets = inputs[start:stop], targets[start:stop]
         with GGNComputation(
@@ -113,15 +131,35 @@ def _compute(
             columns = run.num_columns
             report.num_columns = columns
 
-            def backward(a: int, b: int, run=run, columns=columns) -> None:
-                run.backward(a, b, retain_graph=b < columns)
+            first, last = 0, columns
+            if group is not None:  # chunk-parallel: this rank's share of the columns
+                rank, size = rank_and_size(group)
+                shares = plan_chunks(columns, num_chunks=min(size, columns))
+                first, last = shares[rank] if rank < len(shares) else (columns, columns)
+
+            def backward(a: int, b: int, run=run, first=first, last=last) -> None:
+                run.backward(first + a, first + b, retain_graph=first + b < last)
 
             scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
-            _, schedule = scheduler.run(columns, backward, baseline=baseline)
-            report.schedules.append(schedule)
-            for accumulator, value in zip(total, run.diagonal, strict=True):
-                accumulator.add_(value)
-    return total, report
+            if last > first:
+                _, schedule = scheduler.run(last - first, backward, baseline=baseline)
+                report.schedules.append(schedule)
+            if run.gradient is None:  # a rank without columns: no pass ran
+                run.gradient = run.plain_gradient()
+            # the sub-batch's loss is its own mean: back to the sum, then to the scale
+            factor = scale * (
+                float(handler.normalizer(loss_func, sub_targets)) if mean else 1
+            )
+            loss += factor * run.loss
+            for acc, grad_acc, value, grad in zip(
+                total, gradient, run.diagonal, run.gradient, strict=True
+            ):
+                acc.add_(value)
+                if grad is not None:
+                    grad_acc.add_(grad, alpha=factor)
+    if group is not None:
+        all_reduce_sum(total, None, group)
+    return total, loss, gradient, report
 
 
 def diag_ggn(
@@ -135,6 +173,7 @@ def diag_ggn(
     max_memory: int | str | None = None,
     batch_chunk_size: int | None = None,
     recover_oom: bool = True,
+    distributed: bool = False,
     return_report: bool = False,
 ) -> dict[str, Tensor] | tuple[dict[str, Tensor], GGNReport]:
     """Exact diagonal of the generalized Gauss-Newton matrix of a batch's loss.
@@ -178,6 +217,11 @@ def diag_ggn(
             retry, keeping finished chunks (warns once with the chunk size that worked).
             If the failed pass was the last one, which frees the graph as it goes, the
             forward pass is run again first (with the same random state).
+        distributed: Chunk-parallel over the default ``torch.distributed`` process group
+            (which must be initialized): every rank runs the forward pass on the same
+            batch and its share of the columns, then the diagonals are summed with one
+            ``all_reduce``; every rank returns the full result. ``False`` (default):
+            no communication.
         return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
 
     Returns:
@@ -201,12 +245,83 @@ def diag_ggn(
         >>> [tuple(v.shape) for v in diag.values()]
         [(8, 4), (8,), (4, 8), (4,)]
     """
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}.")
+    result = _evaluate(
+        model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
+        batch_chunk_size, recover_oom, distributed=distributed,
+    )  # fmt: skip
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    diagonal = dict(zip(names, result.diagonal, strict=True))
+    return (diagonal, result.report) if return_report else diagonal
+
+
+def loss_grad_and_diag_ggn(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    num_chunks: int | None = None,
+    chunk_size: int | str | None = None,
+    max_memory: int | str | None = None,
+    batch_chunk_size: int | None = None,
+    recover_oom: bool = True,
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """Loss, gradient and exact GGN diagonal from one forward pass (per sub-batch).
+
+    The gradient comes for free with the first backward pass of the GGN computation;
+    ``.grad`` is not touched. Arguments as in :func:`diag_ggn`.
+
+    Args:
+        model: As in :func:`diag_ggn`.
+        loss_func: As in :func:`diag_ggn`.
+        inputs: As in :func:`diag_ggn`.
+        targets: As in :func:`diag_ggn`.
+        num_chunks: As in :func:`diag_ggn`.
+        chunk_size: As in :func:`diag_ggn`.
+        max_memory: As in :func:`diag_ggn`.
+        batch_chunk_size: As in :func:`diag_ggn`; loss and gradient are those of the
+            whole batch.
+        recover_oom: As in :func:`diag_ggn`.
+
+    Returns:
+        ``(loss, gradient, diagonal)``: the detached scalar loss; gradient and diagonal
+        keyed and ordered as ``model.named_parameters()`` (trainable ones).
+
+    Example:
+        >>> import torch, ggnchunk
+        >>> model = torch.nn.Linear(3, 2)
+        >>> X, y = torch.randn(8, 3), torch.randn(8, 2)
+        >>> loss_func = torch.nn.MSELoss()
+        >>> loss, grad, diag = ggnchunk.loss_grad_and_diag_ggn(model, loss_func, X, y)
+        >>> bool(torch.allclose(loss, loss_func(model(X), y)))
+        True
+    """
+    result = _evaluate(
+        model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
+        batch_chunk_size, recover_oom,
+    )  # fmt: skip
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return (
+        result.loss,
+        dict(zip(names, result.gradient, strict=True)),
+        dict(zip(names, result.diagonal, strict=True)),
+    )
+
+
+def _evaluate(
+    model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
+    batch_chunk_size, recover_oom, scale: float | None = None, distributed: bool = False,
+) -> _Evaluation:  # fmt: skip
+    """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
     handler = lookup_loss(loss_func)
     handler.check(loss_func)
     check_chunking(num_chunks, chunk_size, max_memory)
     check_model(model)
     params = trainable_parameters(model)
     check_tensors(params, inputs, targets)
+    group = resolve_group(True, model) if distributed else None
     batch = inputs.shape[0]
     if batch_chunk_size is not None:
         batch_chunk_size = check_positive_int(batch_chunk_size, "batch_chunk_size")
@@ -215,9 +330,11 @@ def diag_ggn(
         PeakTracker(device) if (max_memory is not None or chunk_size == "auto") else None
     )
     baseline = tracker.current() if tracker is not None else None
-    scale = 1.0
+    normalizer = 1.0
     if loss_func.reduction == "mean":
-        scale = 1.0 / float(handler.normalizer(loss_func, targets))
+        normalizer = float(handler.normalizer(loss_func, targets))
+    if scale is None:
+        scale = 1.0 / normalizer
     scheduler = ChunkScheduler(
         num_chunks=num_chunks,
         chunk_size=chunk_size,
@@ -230,9 +347,9 @@ def diag_ggn(
     atomic: frozenset[str] = frozenset()
     while True:  # custom containers whose forward BackPACK cannot follow become units
         try:
-            total, report = _compute(
+            total, loss, gradient, report = _compute(
                 model, check_model(model, atomic), loss_func, handler, inputs, targets,
-                params, scale, scheduler, baseline, batch, batch_chunk_size, device,
+                params, scale, scheduler, baseline, batch, batch_chunk_size, device, group,
             )  # fmt: skip
             break
         except BrokenChainError as broken:
@@ -240,5 +357,4 @@ def diag_ggn(
             if container is None:
                 raise
             atomic = atomic | {container}
-    diagonal = {name: value for (name, _), value in zip(params, total, strict=True)}
-    return (diagonal, report) if return_report else diagonal
+    return _Evaluation(loss, gradient, total, report, normalizer)

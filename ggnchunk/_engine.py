@@ -153,6 +153,7 @@ class GGNComputation:
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
         self._rng: Tensor | None = None
+        self._loss_value: Tensor | None = None
         self._cuda_rng: Tensor | None = None
         self.gradient: list[Tensor | None] | None = None
         self.diagonal: list[Tensor] = [torch.zeros_like(p) for p in self._params]
@@ -251,6 +252,7 @@ class GGNComputation:
         self._handler.check_shapes(self._loss_func, output, self._targets)
         with torch.enable_grad():
             self._loss = self._loss_func(output, self._targets)
+        self._loss_value = self._loss.detach()
         self._output = output
         self._factor = self._handler.factorize(
             self._loss_func, output.detach(), self._targets, self._scale
@@ -323,9 +325,9 @@ class GGNComputation:
     @property
     def loss(self) -> Tensor:
         """The loss value of the forward pass, detached."""
-        if self._loss is None:
+        if self._loss_value is None:
             raise RuntimeError("call forward() first")
-        return self._loss.detach()
+        return self._loss_value
 
     def _require_factor(self) -> SqrtHessianFactor:
         if self._factor is None:
@@ -389,6 +391,18 @@ class GGNComputation:
         self.passes += 1
         if not retain_graph:
             self._drop_graph()
+
+    def plain_gradient(self) -> list[Tensor | None]:
+        """The loss gradient by a plain backward pass (no BackPACK work), freeing the graph.
+
+        Returns:
+            One gradient per parameter (``None`` for unused parameters).
+        """
+        if self._loss is None:
+            self.forward()
+        gradient = torch.autograd.grad(self._loss, self._params, allow_unused=True)
+        self._drop_graph()
+        return list(gradient)
 
     def _drop_graph(self) -> None:
         self._output = self._loss = None

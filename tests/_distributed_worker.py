@@ -1,0 +1,49 @@
+"""Worker of tests/test_distributed.py: one rank of a 2-process gloo group on the CPU."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ggnchunk
+
+
+def model_for(rank: int, mismatch: bool) -> nn.Module:
+    torch.manual_seed(0)
+    width = 6 + rank if mismatch else 6
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 5)).eval()
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(10, 4), torch.randn(10, 5)
+
+
+def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        x, y = data()
+        model = model_for(rank, mode == "mismatch")
+        loss_func = nn.MSELoss()
+        if mode in ("dataset", "mismatch", "empty-rank"):
+            if mode == "empty-rank":  # rank 1 has no data at all
+                shard = range(0, 10) if rank == 0 else range(0)
+            else:
+                shard = range(rank, 10, world)  # each rank its share, uneven batches
+            batches = [(x[list(shard)][i : i + 3], y[list(shard)][i : i + 3])
+                       for i in range(0, len(shard), 3)]  # fmt: skip
+            result = ggnchunk.diag_ggn_dataset(model, loss_func, batches, progress=False,
+                                               num_chunks=2)  # fmt: skip
+        else:  # chunk-parallel: same batch everywhere, columns split over the ranks
+            result = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
+                                       num_chunks=2)  # fmt: skip
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    except Exception:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+    finally:
+        dist.destroy_process_group()

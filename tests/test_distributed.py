@@ -1,0 +1,63 @@
+"""Two CPU processes with the gloo backend give the single-process result on every rank."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import ggnchunk
+from tests._distributed_worker import data, model_for, worker
+from tests.reference import assert_diag_close
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(mode: str) -> tuple[list, list[str]]:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(2, _free_port(), mode, folder), nprocs=2, join=True)
+        results, errors = [], []
+        for rank in range(2):
+            err = Path(folder) / f"rank{rank}.err"
+            if err.exists():
+                errors.append(err.read_text())
+            else:
+                results.append(torch.load(Path(folder) / f"rank{rank}.pt"))
+    return results, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dataset", "chunk-parallel", "empty-rank"])
+def test_two_ranks_equal_one_process(mode):
+    x, y = data()
+    expected = ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y)
+    results, errors = _run(mode)
+    assert not errors, errors[0]
+    for rank, result in enumerate(results):
+        assert_diag_close(result, expected, rtol=1e-5, label=f"rank {rank}")
+
+
+@pytest.mark.slow
+def test_ranks_with_different_models_are_refused():
+    _, errors = _run("mismatch")
+    assert len(errors) == 2
+    assert all("disagree on the model's trainable parameters" in e for e in errors)
+
+
+def test_chunk_parallel_without_a_process_group():
+    x, y = data()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y, distributed=True)
