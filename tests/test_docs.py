@@ -27,7 +27,14 @@ def test_ci_runs_the_readme_test_command():
 
 
 @pytest.mark.parametrize(
-    "module", ["ggnchunk._api", "ggnchunk._scheduler", "ggnchunk._memory"]
+    "module",
+    [
+        "ggnchunk._api",
+        "ggnchunk._scheduler",
+        "ggnchunk._memory",
+        "ggnchunk._dataset",
+        "ggnchunk.optim",
+    ],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False)
