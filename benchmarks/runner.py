@@ -74,11 +74,23 @@ def run_here(
         "batch_size": x.shape[0],
     }
     if mode == "time":
+        # the warm-up call also counts the floating-point operations (untimed overhead),
+        # except in auto mode, whose warm-up call times its candidate chunk sizes
+        import contextlib
+
+        from torch.utils.flop_counter import FlopCounterMode
+
+        tuning = params.get("chunk_size") == "auto"
+        count_now = flops and not tuning
+        counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
         _sync(device)
         start = time.perf_counter()
-        diag = fn(model, loss_func, x, y, **params)
+        with counter:
+            diag = fn(model, loss_func, x, y, **params)
         _sync(device)
         record["first_call_s"] = time.perf_counter() - start
+        if count_now:
+            record["flops"] = counter.get_total_flops()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -88,12 +100,10 @@ def run_here(
         record["times_s"] = times
         record["median_s"] = statistics.median(times) if times else record["first_call_s"]
         diag = _unpack(diag, record)
-        if flops:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            with FlopCounterMode(display=False) as counter:
+        if flops and tuning:
+            with FlopCounterMode(display=False) as late_counter:
                 fn(model, loss_func, x, y, **params)
-            record["flops"] = counter.get_total_flops()
+            record["flops"] = late_counter.get_total_flops()
     else:
         cold = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
         warm = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
