@@ -4,10 +4,12 @@ For every problem in :mod:`benchmarks.problems` and every method (BackPACK's one
 the tutorial's Slicing loop at 4/16/64 chunks, ggnchunk at fixed chunkings, at three
 memory budgets (15%, 30%, 50% of BackPACK's one-pass extra memory) and in auto mode,
 BackPACK's Monte-Carlo ``DiagGGNMC``, and a ``torch.func`` brute force), each in fresh
-processes (one for peak memory, one for time): peak extra memory, median time, achieved
-FLOP/s next to a matmul peak measured in the same run, and the relative error against a
-float64 reference. Writes one JSON per problem × method × device, ``environment.json``,
-``table.md``, and (with matplotlib) one PNG per problem via :mod:`benchmarks.plot`.
+processes (one for peak memory, one for time; with ``--quick`` one process that
+measures memory first and then time, with no memory poller running): peak extra memory,
+median time, achieved FLOP/s next to a matmul peak measured in the same run, and the
+relative error against a float64 reference. Writes one JSON per problem × method ×
+device, ``environment.json``, ``table.md``, and (with matplotlib) one PNG per problem via
+:mod:`benchmarks.plot`.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"matmul peak: {env['matmul_flops'] / 1e9:.1f} GFLOP/s ({args.threads} thread(s))"
     )
-    common = {"device": args.device, "scale": scale, "threads": args.threads}
+    common = {"device": args.device, "scale": scale, "threads": args.threads,
+              "quick": args.quick}  # fmt: skip
     for problem in args.only or list(PROBLEMS):
         if problem not in PROBLEMS:
             raise SystemExit(f"unknown problem {problem!r}; choose from {list(PROBLEMS)}")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             out / "raw",
             repeats=0,
             save_diag=True,
-            **common,
+            **_run_args(common),
         )
         one_pass = None
         for label, method, params in configurations(problem, args.quick):
@@ -133,11 +136,21 @@ def main(argv: list[str] | None = None) -> None:
     subprocess.run([sys.executable, "-m", "benchmarks.plot", str(out)], check=False)
 
 
+def _run_args(common: dict) -> dict:
+    return {k: v for k, v in common.items() if k != "quick"}
+
+
 def _measure(problem, label, method, params, out, reference, repeats, common) -> dict:
-    memory = run_isolated(problem, method, params, "memory", out / "raw", save_diag=True,
-                          **common)  # fmt: skip
-    timing = run_isolated(problem, method, params, "time", out / "raw", repeats=repeats,
-                          flops=True, **common)  # fmt: skip
+    if common.get("quick"):  # one fresh process: memory first, then time
+        memory = timing = run_isolated(
+            problem, method, params, "both", out / "raw", save_diag=True, cold=False,
+            repeats=repeats, flops=True, **_run_args(common),
+        )  # fmt: skip
+    else:  # separate fresh processes, cold and warm memory
+        memory = run_isolated(problem, method, params, "memory", out / "raw",
+                              save_diag=True, **_run_args(common))  # fmt: skip
+        timing = run_isolated(problem, method, params, "time", out / "raw",
+                              repeats=repeats, flops=True, **_run_args(common))  # fmt: skip
     record = {"problem": problem, "label": label, "method": method, "params": params,
               **common}  # fmt: skip
     for source in (memory, timing):

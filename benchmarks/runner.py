@@ -1,10 +1,12 @@
 """Run one configuration (problem × method × params × device) in this process.
 
 Used as a child process: ``python -m benchmarks.runner --problem P --method M --params
-JSON --mode time|memory --out FILE``. ``time`` does a warm-up call and then ``repeats``
-timed calls (median, ``cuda.synchronize`` on GPU). ``memory`` measures a cold first call
-and then a warm second call with :func:`ggnchunk.measure_peak_memory`; the two modes run
-in separate processes because the CPU memory poller slows the computation it watches.
+JSON --mode time|memory|both --out FILE``. ``time`` does a warm-up call and then
+``repeats`` timed calls (median, ``cuda.synchronize`` on GPU). ``memory`` measures a cold
+first call (unless ``--warm-only``) and a warm call with
+:func:`ggnchunk.measure_peak_memory`. ``both`` measures memory first, in the fresh
+process, and then times calls once the poller has stopped (the CPU memory poller slows
+the computation it watches, so no timed call runs beside it).
 :func:`run_isolated` starts such a child with a pinned glibc mmap threshold.
 """
 
@@ -50,6 +52,7 @@ def run_here(
     scale: int = 1,
     save_diag: str | None = None,
     flops: bool = False,
+    cold: bool = True,
 ) -> dict:
     """Measure one configuration in this process; return a JSON-ready record.
 
@@ -73,44 +76,53 @@ def run_here(
         "threads": torch.get_num_threads(),
         "batch_size": x.shape[0],
     }
-    if mode == "time":
-        # the warm-up call also counts the floating-point operations (untimed overhead),
-        # except in auto mode, whose warm-up call times its candidate chunk sizes
-        import contextlib
+    import contextlib
 
-        from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode
 
-        tuning = params.get("chunk_size") == "auto"
-        count_now = flops and not tuning
-        counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
+    def call():
+        out = fn(model, loss_func, x, y, **params)
         _sync(device)
-        start = time.perf_counter()
-        with counter:
-            diag = fn(model, loss_func, x, y, **params)
-        _sync(device)
-        record["first_call_s"] = time.perf_counter() - start
-        if count_now:
-            record["flops"] = counter.get_total_flops()
-        times = []
-        for _ in range(repeats):
+        return out
+
+    # The warm-up call counts floating-point operations (untimed), except in auto mode,
+    # whose warm-up call times candidate chunk sizes: there an extra call counts them.
+    tuning = params.get("chunk_size") == "auto"
+    count_now = flops and not tuning
+    counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
+    if mode in ("memory", "both"):
+        if cold:
+            first = measure_peak_memory(call, device=device)
+            record["cold_peak_mib"] = first.peak_extra_mib
+        else:  # warm up without the poller (faster), measure the warm call only
+            with counter:
+                call()
+            if count_now:
+                record["flops"] = counter.get_total_flops()
+        warm = measure_peak_memory(call, device=device)
+        diag = _unpack(warm.result, record)
+        record["peak_mib"] = warm.peak_extra_mib
+        record["memory_method"] = warm.method
+    if mode in ("time", "both"):
+        if mode == "time":  # a fresh process: warm up first
             start = time.perf_counter()
-            diag = fn(model, loss_func, x, y, **params)
-            _sync(device)
+            with counter:
+                diag = call()
+            record["first_call_s"] = time.perf_counter() - start
+            if count_now:
+                record["flops"] = counter.get_total_flops()
+        times = []
+        for _ in range(repeats):  # no memory poller runs now
+            start = time.perf_counter()
+            diag = call()
             times.append(time.perf_counter() - start)
         record["times_s"] = times
         record["median_s"] = statistics.median(times) if times else record["first_call_s"]
         diag = _unpack(diag, record)
-        if flops and tuning:
-            with FlopCounterMode(display=False) as late_counter:
-                fn(model, loss_func, x, y, **params)
-            record["flops"] = late_counter.get_total_flops()
-    else:
-        cold = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
-        warm = measure_peak_memory(fn, model, loss_func, x, y, device=device, **params)
-        diag = _unpack(warm.result, record)
-        record["cold_peak_mib"] = cold.peak_extra_mib
-        record["peak_mib"] = warm.peak_extra_mib
-        record["memory_method"] = warm.method
+    if flops and "flops" not in record:
+        with FlopCounterMode(display=False) as late_counter:
+            call()
+        record["flops"] = late_counter.get_total_flops()
     if save_diag:
         torch.save([d.detach().cpu() for d in diag], save_diag)
     return record
@@ -129,6 +141,7 @@ def run_isolated(
     save_diag: bool = False,
     timeout: float = 1800,
     flops: bool = False,
+    cold: bool = True,
 ) -> dict:
     """Run :func:`run_here` in a fresh Python process and return its record.
 
@@ -151,6 +164,8 @@ def run_isolated(
         cmd += ["--save-diag", str(diag_file)]
     if flops:
         cmd.append("--flops")
+    if not cold:
+        cmd.append("--warm-only")
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -172,17 +187,18 @@ def main() -> None:
     parser.add_argument("--problem", required=True)
     parser.add_argument("--method", required=True)
     parser.add_argument("--params", default="{}")
-    parser.add_argument("--mode", choices=["time", "memory"], required=True)
+    parser.add_argument("--mode", choices=["time", "memory", "both"], required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-diag", default=None)
     parser.add_argument("--flops", action="store_true")
+    parser.add_argument("--warm-only", action="store_true")
     args = parser.parse_args()
     record = run_here(
         args.problem, args.method, json.loads(args.params), args.mode, args.device,
-        args.repeats, args.scale, args.save_diag, args.flops,
+        args.repeats, args.scale, args.save_diag, args.flops, not args.warm_only,
     )  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=2))
 

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "check_chunk_count",
     "check_positive_int",
     "check_tensors",
     "trainable_parameters",
@@ -45,27 +44,6 @@ def check_positive_int(value: object, name: str, hint: str = "") -> int:
     if number < 1:
         raise ValueError(f"{name} must be a positive int, got {number}.{hint}")
     return number
-
-
-def check_chunk_count(num_chunks: object, chunk_size: object) -> None:
-    """Check that at most one of ``num_chunks`` and ``chunk_size`` is given, and its type.
-
-    Args:
-        num_chunks: The user's ``num_chunks``.
-        chunk_size: The user's ``chunk_size``.
-
-    Raises:
-        ValueError: If both are given.
-    """
-    if num_chunks is not None and chunk_size is not None:
-        raise ValueError(
-            f"num_chunks={num_chunks!r} and chunk_size={chunk_size!r} were both given; "
-            "they say the same thing two ways. Pass only one of them."
-        )
-    if num_chunks is not None:
-        check_positive_int(num_chunks, "num_chunks", " Use num_chunks=1 for one pass.")
-    if chunk_size is not None:
-        check_positive_int(chunk_size, "chunk_size")
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
