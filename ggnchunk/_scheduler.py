@@ -134,6 +134,7 @@ class ChunkRecord:
     stop: int
     seconds: float
     peak_extra_bytes: int | None = None
+    level_before_bytes: int | None = None  # memory in use (above baseline) just before
 
 
 @dataclass
@@ -178,7 +179,8 @@ class ScheduleReport:
 class _Decision:
     fixed: float
     per_index: float
-    chunk_size: int | None = None  # auto mode's choice
+    chunk_size: int | None = None  # where the last call ended
+    tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
 
 
 _CACHE: dict[Hashable, _Decision] = {}
@@ -391,8 +393,9 @@ class _Run:
             value = self.fn(start, stop)
             record = ChunkRecord(start, stop, time.perf_counter() - begin)
         else:
+            level = max(0, self.tracker.current() - self.baseline)
             value, peak, seconds = self.tracker.measure(lambda: self.fn(start, stop))
-            record = ChunkRecord(start, stop, seconds, max(0, peak - self.baseline))
+            record = ChunkRecord(start, stop, seconds, max(0, peak - self.baseline), level)
         self.result = _add(self.result, value)
         self.report.chunks.append(record)
         return record
@@ -448,50 +451,66 @@ class _Run:
         return max(1, min(self.total, int(room // max(decision.per_index, 1.0))))
 
     def run_adaptive(self) -> None:
+        """Budget and auto modes: probe, (tune,) then adapt the size chunk by chunk.
+
+        After each full chunk the size moves toward the budget: with ``F`` the memory in
+        use before the first chunk and ``P`` the chunk's measured peak, the next size is
+        ``size * min(2, (target - F) / (P - F))`` (a chunk twice as large needs at most
+        twice the extra memory), and a chunk above the target shrinks it in proportion.
+        """
         budget = self._budget()
         self.report.budget_bytes = budget
         key = self.s.cache_key
         cache_key = None if key is None else (key, self.s.mode, budget, self.total)
         decision = _CACHE.get(cache_key) if cache_key is not None else None
-        start = 0
+        start, grow = 0, True
         if decision is None:
             decision, start = self._probe(budget)
+            size = self._fit_size(decision, budget)
+            if self.s.mode == "auto":
+                start, size, grow = self._tune(start, size)
+                decision.tuned = not grow
         else:
             self.report.from_cache = True
-        size = self._fit_size(decision, budget)
-        if self.s.mode == "auto":
-            if decision.chunk_size is None:
-                start, size = self._tune(start, size)
-                decision.chunk_size = size
-            else:
-                size = min(size, decision.chunk_size)
-        if cache_key is not None:
-            _CACHE[cache_key] = decision
-        self.report.fixed_bytes, self.report.bytes_per_index = (
-            decision.fixed,
-            decision.per_index,
-        )
-        self.report.chunk_size = size
+            size = decision.chunk_size or self._fit_size(decision, budget)
+            grow = not decision.tuned
+        target = _SAFETY * budget
+        first_level = max(0, self.tracker.current() - self.baseline)
         while start < self.total:
             stop = min(self.total, start + size)
             records = self.run_range(start, stop)
             if len(records) > 1:  # split after running out of memory: stay below that
                 size = min(size, max(r.stop - r.start for r in records))
-            for record in records:
-                over = record.peak_extra_bytes - budget
-                if over > 0 and record.stop - record.start > 1:  # model too optimistic
-                    decision.per_index = max(
-                        decision.per_index,
-                        (record.peak_extra_bytes - decision.fixed)
-                        / (record.stop - record.start),
-                    )
-                    size = min(size, self._fit_size(decision, budget))
+            largest = max(records, key=lambda r: r.stop - r.start)
+            done, peak = largest.stop - largest.start, largest.peak_extra_bytes
+            # what stays resident whatever the chunk size (a lower bound, so growth stays
+            # safe: a chunk twice as large adds at most twice as much above it)
+            floor = min(first_level, largest.level_before_bytes)
+            own = peak - largest.level_before_bytes
+            if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
+                size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
+            elif grow and done == size and len(records) == 1 and peak <= target:
+                factor = (
+                    2.0 if peak <= floor else min(2.0, (target - floor) / (peak - floor))
+                )
+                size = max(size, min(self.total, int(size * factor)))
             start = stop
-        self.report.chunk_size = min(self.report.chunk_size, size)
+        decision.chunk_size = size
+        decision.per_index = max(1.0, (target - decision.fixed) / max(size, 1))
+        if cache_key is not None:
+            _CACHE[cache_key] = decision
+        self.report.fixed_bytes = decision.fixed
+        self.report.bytes_per_index = decision.per_index
+        self.report.chunk_size = size
         self.warn_if_recovered()
 
     def _probe(self, budget: int) -> tuple[_Decision, int]:
-        """Fit ``peak = fixed + per_index * s`` from a chunk of 1 and a larger chunk."""
+        """Fit ``peak = fixed + per_index * s`` from two chunks of 1 and a larger chunk.
+
+        The first chunk of a call can pay one-time costs (kernels set up and workspaces
+        allocated on first use); a second one-index chunk shows the steady state, and the
+        smaller of the two peaks is the cost of one index.
+        """
         before = max(0, self.tracker.current() - self.baseline)
         rss_before = self.tracker.current()
         (first,) = self.run_range(0, 1)
@@ -502,29 +521,37 @@ class _Run:
             if retained:
                 self.baseline += retained
                 first.peak_extra_bytes = max(0, first.peak_extra_bytes - retained)
-        if first.peak_extra_bytes > budget:
+        one, start = first.peak_extra_bytes, 1
+        if self.total >= 3:
+            (again,) = self.run_range(1, 2)
+            one, start = min(one, again.peak_extra_bytes), 2
+        if one > budget:
             raise MemoryBudgetError(
                 f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
-                f"{self.s.what} already needs {first.peak_extra_bytes / MiB:,.1f} MiB "
+                f"{self.s.what} already needs {one / MiB:,.1f} MiB "
                 f"above the memory in use before the call ({before / MiB:,.1f} MiB of it "
                 "before the first chunk). Raise max_memory, or make the problem smaller "
                 "(e.g. batch_chunk_size for fewer samples per forward pass)."
             )
-        upper = max(first.peak_extra_bytes - before, 1)  # per index, conservatively
-        if self.total == 1:
-            return _Decision(before, upper), 1
-        second_size = int(0.5 * (_SAFETY * budget - before) // upper)
-        second_size = max(2, min(second_size, self.total - 1))
-        (second,) = self.run_range(1, 1 + second_size)[-1:]
-        size2 = second.stop - second.start
-        slope = (second.peak_extra_bytes - first.peak_extra_bytes) / max(size2 - 1, 1)
+        upper = max(one - before, 1)  # per index, conservatively
+        if start >= self.total:
+            return _Decision(before, upper), start
+        size = int(0.5 * (_SAFETY * budget - before) // upper)
+        size = max(2, min(size, self.total - start))
+        records = self.run_range(start, start + size)
+        largest = max(records, key=lambda r: r.stop - r.start)
+        size = largest.stop - largest.start
+        slope = (largest.peak_extra_bytes - one) / max(size - 1, 1)
         if slope <= 0:  # no growth measurable: use the conservative bound
-            slope = max((second.peak_extra_bytes - before) / size2, 1.0)
-        fixed = max(before, first.peak_extra_bytes - slope)
-        return _Decision(fixed, slope), second.stop
+            slope = max((largest.peak_extra_bytes - before) / size, 1.0)
+        fixed = max(before, one - slope)
+        return _Decision(fixed, slope), records[-1].stop
 
-    def _tune(self, start: int, size_max: int) -> tuple[int, int]:
-        """Time real chunks of increasing size; return (next start, fastest size).
+    def _tune(self, start: int, size_max: int) -> tuple[int, int, bool]:
+        """Time real chunks of increasing size; return (next start, fastest size, grow).
+
+        ``grow`` is true when the fastest size was the largest tried: larger ones (up to
+        the budget) may be faster still.
 
         Sizes double from about ``total / 256`` up to the largest that fits the budget,
         while the trials stay within a share of the range; the search stops once two
@@ -538,7 +565,7 @@ class _Run:
             candidates.append(size)
             size *= 2
         if not candidates:
-            return start, size_max
+            return start, size_max, True
         best, best_rate, worse = size_max, float("inf"), 0
         for size in candidates:
             if start >= self.total:
@@ -553,4 +580,4 @@ class _Run:
                 worse += 1
                 if worse >= 2:  # past the sweet spot
                     break
-        return start, best
+        return start, best, best >= candidates[-1]
