@@ -141,8 +141,14 @@ def _compute(
                 run.backward(first + a, first + b, retain_graph=first + b < last)
 
             scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
+            start_level = baseline
+            if baseline is not None and device.type == "cpu" and scheduler.tracker:
+                # RSS that grew during the forward pass beyond its tensors is one-time
+                # set-up (libraries and kernels loaded on first use): not the call's cost
+                grown = scheduler.tracker.current() - run.forward_bytes()
+                start_level = max(baseline, grown)
             if last > first:
-                _, schedule = scheduler.run(last - first, backward, baseline=baseline)
+                _, schedule = scheduler.run(last - first, backward, baseline=start_level)
                 report.schedules.append(schedule)
             if run.gradient is None:  # a rank without columns: no pass ran
                 run.gradient = run.plain_gradient()

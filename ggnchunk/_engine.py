@@ -392,6 +392,30 @@ class GGNComputation:
         if not retain_graph:
             self._drop_graph()
 
+    def forward_bytes(self) -> int:
+        """Bytes of the tensors the forward pass keeps: layer inputs and outputs, loss.
+
+        An estimate of the memory the forward pass adds (autograd saves these or
+        tensors of their size), counted once per storage.
+
+        Returns:
+            Bytes.
+        """
+        seen: dict[int, int] = {}
+        tensors = [self._output] if self._output is not None else []
+        for _, module in self._modules.leaves:
+            index = 0
+            while hasattr(module, f"input{index}"):
+                tensors.append(getattr(module, f"input{index}"))
+                index += 1
+            if hasattr(module, "output"):
+                tensors.append(module.output)
+        for tensor in tensors:
+            if isinstance(tensor, Tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
     def plain_gradient(self) -> list[Tensor | None]:
         """The loss gradient by a plain backward pass (no BackPACK work), freeing the graph.
 
