@@ -258,6 +258,15 @@ class _SoftmaxFactor(SqrtHessianFactor):
         count = stop - start
         n, c, p = self._prob.shape
         device = self._prob.device
+        if p == 1:  # no positions: one outer product and a diagonal, no scatter
+            prob, tau = self._prob[:, :, 0], self._tau[:, :, 0]  # [N, C]
+            tau_j = tau[:, start:stop].T  # [count, N]
+            result = tau_j.unsqueeze(2) * prob.unsqueeze(0)  # [count, N, C]
+            result.neg_()
+            local = torch.arange(count, device=device)
+            result[local, :, local + start] += tau_j
+            result *= self._sqrt_weight[:, 0].view(1, n, 1)
+            return result.view(count, *self._shape)
         index = torch.arange(start, stop, device=device)
         cls, pos = index // p, index % p
         local = torch.arange(count, device=device)
