@@ -468,8 +468,8 @@ class _Run:
             decision, start = self._probe(budget)
             size = self._fit_size(decision, budget)
             if self.s.mode == "auto":
-                start, size, grow = self._tune(start, size)
-                decision.tuned = not grow
+                start, size, _ = self._tune(start, size)
+                grow, decision.tuned = False, True  # the fastest measured size, kept
         else:
             self.report.from_cache = True
             size = decision.chunk_size or self._fit_size(decision, budget)
