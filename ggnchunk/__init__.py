@@ -6,7 +6,7 @@ The public API is exactly what this module exports.
 from ggnchunk._api import GGNReport, diag_ggn, loss_grad_and_diag_ggn
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
-from ggnchunk._modules import supported_layers_table
+from ggnchunk._rules import supported_layers_table
 from ggnchunk._scheduler import (
     ChunkRecord,
     ChunkScheduler,

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._checks import check_positive_int, check_tensors, trainable_parameters
+from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
-from ggnchunk._engine import BrokenChainError, GGNComputation
+from ggnchunk._engine import GGNComputation, Problem, model_lock
 from ggnchunk._memory import PeakTracker
-from ggnchunk._modules import CONTAINERS, check_model
 from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
-from ggnchunk._sqrt_hessians import lookup_loss
-
-__all__ = ["GGNReport", "diag_ggn", "loss_grad_and_diag_ggn"]
-
 
 @dataclass
 class GGNReport:
@@ -51,48 +46,54 @@ class GGNReport:
         return max(peaks) if peaks else None
 
 
-def _cache_key(model, loss_func, inputs, params, device) -> tuple:
+@dataclass(frozen=True)
+class ChunkOptions:
+    """The chunking arguments of a call, validated once at the entry point.
+
+    Attributes:
+        num_chunks: Fixed number of backward passes over the columns.
+        chunk_size: Fixed largest chunk, or ``"auto"``.
+        max_memory: Memory budget (bytes or a string with a unit).
+        batch_chunk_size: Largest number of samples per forward pass.
+        recover_oom: Split chunks that run out of memory.
+        distributed: Chunk-parallel over the default process group.
+    """
+
+    num_chunks: int | None = None
+    chunk_size: int | str | None = None
+    max_memory: int | str | None = None
+    batch_chunk_size: int | None = None
+    recover_oom: bool = True
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        check_chunking(self.num_chunks, self.chunk_size, self.max_memory)
+        if self.batch_chunk_size is not None:
+            check_positive_int(self.batch_chunk_size, "batch_chunk_size")
+        for name in ("recover_oom", "distributed"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"{name} must be True or False, got {getattr(self, name)!r}."
+                )
+
+    @property
+    def measured(self) -> bool:
+        """Whether the scheduler measures memory (budget and auto modes)."""
+        return self.max_memory is not None or self.chunk_size == "auto"
+
+
+def _cache_key(problem: Problem, batch: Batch) -> tuple:
     structure = tuple(
         (name, type(m).__name__, tuple((n, tuple(p.shape)) for n, p in m.named_parameters(
             recurse=False)))
-        for name, m in model.named_modules()
+        for name, m in problem.model.named_modules()
     )  # fmt: skip
+    loss = problem.loss_func
+    shapes = tuple((tuple(t.shape), t.dtype) for t in batch.tensors())
     return (
-        structure, type(loss_func).__name__, getattr(loss_func, "reduction", None),
-        tuple(inputs.shape), inputs.dtype, tuple(p.dtype for _, p in params), str(device),
-        torch.get_num_threads(),
+        structure, type(loss).__name__, getattr(loss, "reduction", None), shapes,
+        problem.dtype, str(problem.device), torch.get_num_threads(),
     )  # fmt: skip
-
-
-def _custom_ancestors(
-    model: nn.Module, name: str | None, atomic: frozenset[str]
-) -> list[str]:
-    """Custom containers above layer ``name``, deepest first, not yet single units."""
-    if name is None:
-        return []
-    parts = name.split(".") if name else []
-    found = []
-    for depth in range(len(parts) - 1, -1, -1):
-        candidate = ".".join(parts[:depth])
-        module = model.get_submodule(candidate)
-        if candidate not in atomic and not isinstance(module, CONTAINERS):
-            found.append(candidate)
-    return found
-
-
-def _container_of(
-    model: nn.Module, broken: BrokenChainError, atomic: frozenset[str]
-) -> str | None:
-    """The custom container whose forward most likely holds the operation BackPACK missed.
-
-    First the containers that the previous layer is in but the broken one is not (their
-    forward ended with the operation, e.g. a residual ``x + f(x)``), then the broken
-    layer's own containers, deepest first. Each retry makes one more container a unit.
-    """
-    own = _custom_ancestors(model, broken.module_name, atomic)
-    before = [c for c in _custom_ancestors(model, broken.previous, atomic) if c not in own]
-    candidates = before + own
-    return candidates[0] if candidates else None
 
 
 @dataclass
@@ -104,65 +105,96 @@ class _Evaluation:
     diagonal: list[Tensor]
     report: GGNReport
     normalizer: float  # of the mean reduction (1 for sum)
+    names: list[str]
+
+
+def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkOptions]:
+    """This rank's contiguous share of the columns, and the options for it.
+
+    ``num_chunks``/``chunk_size`` describe the whole computation: the global plan is cut
+    into one run of whole chunks per rank, so all ranks together run ``num_chunks``
+    passes. Budget and auto modes give each rank an equal share and schedule it.
+    """
+    rank, size = rank_and_size(group)
+    if options.num_chunks is not None or isinstance(options.chunk_size, int):
+        chunks = plan_chunks(columns, options.num_chunks, options.chunk_size)
+        parts = plan_chunks(len(chunks), num_chunks=size)
+        if rank >= len(parts):
+            return columns, columns, options
+        first, last = parts[rank]
+        local = replace(options, num_chunks=last - first, chunk_size=None)
+        return chunks[first][0], chunks[last - 1][1], local
+    shares = plan_chunks(columns, num_chunks=size)
+    if rank >= len(shares):
+        return columns, columns, options
+    return shares[rank][0], shares[rank][1], options
 
 
 def _compute(
-    model, modules, loss_func, handler, inputs, targets, params, scale, scheduler,
-    baseline, batch, batch_chunk_size, device, group=None,
+    problem: Problem, batch: Batch, targets: Tensor, options: ChunkOptions, scale: float,
+    need_gradient: bool, group=None,
 ) -> tuple[list[Tensor], Tensor, list[Tensor], GGNReport]:  # fmt: skip
     """Every sub-batch: forward, then the scheduled backward passes; summed results.
 
     Loss, gradient and diagonal are those of ``scale * (the loss with reduction="sum")``.
     """
+    size = batch.size
     report = GGNReport(
-        batch_chunks=plan_chunks(batch, chunk_size=min(batch_chunk_size or batch, batch),
+        batch_chunks=plan_chunks(size, chunk_size=options.batch_chunk_size or size,
                                  what="samples")
     )  # fmt: skip
-    total = [torch.zeros_like(p) for _, p in params]
-    gradient = [torch.zeros_like(p) for _, p in params]
-    loss = torch.zeros((), dtype=params[0][1].dtype, device=device)
-    mean = loss_func.reduction == "mean"
+    params = problem.params
+    total = [torch.zeros_like(p) for p in params]
+    gradient = [torch.zeros_like(p) for p in params]
+    loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
+    mean = problem.loss_func.reduction == "mean"
+    tracker = PeakTracker(problem.device) if options.measured else None
+    baseline = tracker.current() if tracker is not None else None
     for start, stop in report.batch_chunks:
-        sub_inputs, sub_targets = inputs[start:stop], targets[start:stop]
-        with GGNComputation(
-            model, modules, loss_func, handler, sub_inputs, sub_targets, params, scale
-        ) as run:
+        part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
+        sub_targets = targets[start:stop]
+        run = GGNComputation(problem, part, sub_targets, scale)
+        with run:
             run.forward()
-            columns = run.num_columns
-            report.num_columns = columns
+        columns = run.num_columns
+        report.num_columns = columns
+        first, last, local = 0, columns, options
+        if group is not None:
+            first, last, local = _share(columns, options, group)
+        scheduler = ChunkScheduler(
+            num_chunks=local.num_chunks, chunk_size=local.chunk_size,
+            max_memory=local.max_memory, device=problem.device,
+            recover_oom=local.recover_oom, what="columns", tracker=tracker,
+            cache_key=_cache_key(problem, part),
+        )  # fmt: skip
+        start_level = baseline
+        if baseline is not None and problem.device.type == "cpu":
+            # RSS that grew during the forward pass beyond its tensors is one-time set-up
+            # (libraries and kernels loaded on first use): not the call's cost
+            grown = tracker.current() - run.forward_bytes()
+            start_level = max(baseline, grown)
 
-            first, last = 0, columns
-            if group is not None:  # chunk-parallel: this rank's share of the columns
-                rank, size = rank_and_size(group)
-                shares = plan_chunks(columns, num_chunks=min(size, columns))
-                first, last = shares[rank] if rank < len(shares) else (columns, columns)
+        def backward(a: int, b: int, run=run, first=first) -> None:
+            run.backward(first + a, first + b)
 
-            def backward(a: int, b: int, run=run, first=first, last=last) -> None:
-                run.backward(first + a, first + b, retain_graph=first + b < last)
-
-            scheduler.cache_key = _cache_key(model, loss_func, sub_inputs, params, device)
-            start_level = baseline
-            if baseline is not None and device.type == "cpu" and scheduler.tracker:
-                # RSS that grew during the forward pass beyond its tensors is one-time
-                # set-up (libraries and kernels loaded on first use): not the call's cost
-                grown = scheduler.tracker.current() - run.forward_bytes()
-                start_level = max(baseline, grown)
-            if last > first:
-                _, schedule = scheduler.run(last - first, backward, baseline=start_level)
-                report.schedules.append(schedule)
-            if run.gradient is None:  # a rank without columns: no pass ran
-                run.gradient = run.plain_gradient()
-            # the sub-batch's loss is its own mean: back to the sum, then to the scale
-            factor = scale * (
-                float(handler.normalizer(loss_func, sub_targets)) if mean else 1
-            )
-            loss += factor * run.loss
-            for acc, grad_acc, value, grad in zip(
-                total, gradient, run.diagonal, run.gradient, strict=True
-            ):
-                acc.add_(value)
+        if last > first:
+            _, schedule = scheduler.run(last - first, backward, baseline=start_level)
+            report.schedules.append(schedule)
+        if need_gradient:
+            grads = run.gradient()
+        run.close()
+        # the sub-batch's loss is its own mean: back to the sum, then to the scale
+        factor = scale * (
+            float(problem.handler.normalizer(problem.loss_func, sub_targets)) if mean else 1
+        )
+        loss += factor * run.loss
+        for acc, value in zip(total, run.diagonal, strict=True):
+            acc.add_(value)
+        if need_gradient:
+            for acc, grad in zip(gradient, grads, strict=True):
                 if grad is not None:
-                    grad_acc.add_(grad, alpha=factor)
+                    acc.add_(grad, alpha=factor)
+        del run
     if group is not None:
         all_reduce_sum(total, None, group)
     return total, loss, gradient, report
@@ -251,14 +283,11 @@ def diag_ggn(
         >>> [tuple(v.shape) for v in diag.values()]
         [(8, 4), (8,), (4, 8), (4,)]
     """
-    if not isinstance(distributed, bool):
-        raise TypeError(f"distributed must be True or False, got {distributed!r}.")
-    result = _evaluate(
-        model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
-        batch_chunk_size, recover_oom, distributed=distributed,
-    )  # fmt: skip
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    diagonal = dict(zip(names, result.diagonal, strict=True))
+    options = ChunkOptions(
+        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
+    )
+    result = _evaluate(model, loss_func, inputs, targets, options)
+    diagonal = dict(zip(result.names, result.diagonal, strict=True))
     return (diagonal, result.report) if return_report else diagonal
 
 
@@ -304,11 +333,9 @@ def loss_grad_and_diag_ggn(
         >>> bool(torch.allclose(loss, loss_func(model(X), y)))
         True
     """
-    result = _evaluate(
-        model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
-        batch_chunk_size, recover_oom,
-    )  # fmt: skip
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    options = ChunkOptions(num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom)
+    result = _evaluate(model, loss_func, inputs, targets, options, need_gradient=True)
+    names = result.names
     return (
         result.loss,
         dict(zip(names, result.gradient, strict=True)),
@@ -317,50 +344,20 @@ def loss_grad_and_diag_ggn(
 
 
 def _evaluate(
-    model, loss_func, inputs, targets, num_chunks, chunk_size, max_memory,
-    batch_chunk_size, recover_oom, scale: float | None = None, distributed: bool = False,
+    model, loss_func, inputs, targets, options: ChunkOptions,
+    scale: float | None = None, need_gradient: bool = False,
 ) -> _Evaluation:  # fmt: skip
     """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
-    handler = lookup_loss(loss_func)
-    handler.check(loss_func)
-    check_chunking(num_chunks, chunk_size, max_memory)
-    check_model(model)
-    params = trainable_parameters(model)
-    check_tensors(params, inputs, targets)
-    group = resolve_group(True, model) if distributed else None
-    batch = inputs.shape[0]
-    if batch_chunk_size is not None:
-        batch_chunk_size = check_positive_int(batch_chunk_size, "batch_chunk_size")
-    device = params[0][1].device
-    tracker = (
-        PeakTracker(device) if (max_memory is not None or chunk_size == "auto") else None
-    )
-    baseline = tracker.current() if tracker is not None else None
+    problem = Problem.build(model, loss_func)
+    batch = check_batch(list(zip(problem.names, problem.params)), inputs, targets)
+    group = resolve_group(True, model) if options.distributed else None
     normalizer = 1.0
     if loss_func.reduction == "mean":
-        normalizer = float(handler.normalizer(loss_func, targets))
+        normalizer = float(problem.handler.normalizer(loss_func, targets))
     if scale is None:
         scale = 1.0 / normalizer
-    scheduler = ChunkScheduler(
-        num_chunks=num_chunks,
-        chunk_size=chunk_size,
-        max_memory=max_memory,
-        device=device,
-        recover_oom=recover_oom,
-        what="columns",
-        tracker=tracker,
-    )
-    atomic: frozenset[str] = frozenset()
-    while True:  # custom containers whose forward BackPACK cannot follow become units
-        try:
-            total, loss, gradient, report = _compute(
-                model, check_model(model, atomic), loss_func, handler, inputs, targets,
-                params, scale, scheduler, baseline, batch, batch_chunk_size, device, group,
-            )  # fmt: skip
-            break
-        except BrokenChainError as broken:
-            container = _container_of(model, broken, atomic)
-            if container is None:
-                raise
-            atomic = atomic | {container}
-    return _Evaluation(loss, gradient, total, report, normalizer)
+    with model_lock(model):
+        total, loss, gradient, report = _compute(
+            problem, batch, targets.detach(), options, scale, need_gradient, group
+        )
+    return _Evaluation(loss, gradient, total, report, normalizer, problem.names)

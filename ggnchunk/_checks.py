@@ -7,6 +7,7 @@ Everything here runs before the forward pass; checks that need the model output
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -130,3 +131,136 @@ def check_tensors(
             "ggnchunk cannot run inside torch.inference_mode(), which forbids the "
             "backward passes it needs; call it outside (torch.no_grad() is fine)."
         )
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+class Batch:
+    """The model's inputs for one forward pass: ``model(*args, **kwargs)``.
+
+    ``inputs`` is a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a
+    dict (``model(**inputs)``). Tensors whose axis 0 has the batch size are per-sample
+    (sliced by :meth:`slice`); anything else is passed unchanged to every sub-batch.
+    Tensors are detached, so the caller's inputs never collect gradients.
+
+    Args:
+        inputs: The user's inputs.
+        size: The batch size ``N`` (from the targets).
+    """
+
+    def __init__(self, inputs: Any, size: int):
+        self.size = size
+        if isinstance(inputs, Tensor):
+            self.args: tuple = (inputs.detach(),)
+            self.kwargs: dict = {}
+        elif isinstance(inputs, (tuple, list)):
+            self.args = tuple(_map_tensors(list(inputs), Tensor.detach))
+            self.kwargs = {}
+        elif isinstance(inputs, dict):
+            self.args = ()
+            self.kwargs = _map_tensors(dict(inputs), Tensor.detach)
+        else:
+            raise TypeError(
+                "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list "
+                "(called as model(*inputs)) or a dict (called as model(**inputs)); got "
+                f"{type(inputs).__name__}."
+            )
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor among the inputs (nested in tuples, lists and dicts too)."""
+        found: list[Tensor] = []
+        _map_tensors((self.args, self.kwargs), found.append)
+        return found
+
+    def _batched(self, tensor: Tensor) -> bool:
+        return tensor.dim() > 0 and tensor.shape[0] == self.size
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Samples ``start:stop`` (per-sample tensors sliced, the rest unchanged).
+
+        Args:
+            start: First sample.
+            stop: One past the last sample.
+
+        Returns:
+            The sub-batch.
+        """
+        part = Batch.__new__(Batch)
+        part.size = stop - start
+        cut = lambda t: t[start:stop] if self._batched(t) else t  # noqa: E731
+        part.args = _map_tensors(self.args, cut)
+        part.kwargs = _map_tensors(self.kwargs, cut)
+        return part
+
+
+def check_batch(
+    params: list[tuple[str, nn.Parameter]], inputs: object, targets: object
+) -> Batch:
+    """Check inputs and targets against each other and the parameters.
+
+    Args:
+        params: The trainable parameters.
+        inputs: The user's inputs (tensor, tuple/list or dict of them).
+        targets: The user's targets, batch on axis 0.
+
+    Returns:
+        The batch, with detached tensors.
+
+    Raises:
+        TypeError: If targets are not a tensor or inputs of an unsupported type.
+        ValueError: For an empty batch, no per-sample input, mixed devices or dtypes.
+        RuntimeError: Inside ``torch.inference_mode()``.
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(
+            f"targets must be a torch.Tensor with the batch on axis 0, got "
+            f"{type(targets).__name__}."
+        )
+    if targets.dim() == 0 or targets.shape[0] == 0:
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)}: the batch is empty or has no "
+            "batch axis. Pass at least one sample, batch on axis 0."
+        )
+    batch = Batch(inputs, targets.shape[0])
+    tensors = batch.tensors()
+    if isinstance(inputs, Tensor) and (inputs.dim() == 0 or inputs.shape[0] == 0):
+        raise ValueError(
+            f"inputs has shape {tuple(inputs.shape)}: the batch is empty. Pass at least "
+            "one sample, batch on axis 0."
+        )
+    if not any(batch._batched(t) for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(
+            f"targets has batch size {batch.size} but no input tensor has it on axis 0 "
+            f"(input shapes {shapes}); pass one target per sample, batch on axis 0."
+        )
+    device = params[0][1].device
+    dtype = params[0][1].dtype
+    for name, value in [("inputs", t) for t in tensors] + [("targets", targets)]:
+        if value.device != device:
+            raise ValueError(
+                f"{name} is on {value.device} but the model is on {device}; move it with "
+                f"{name}.to({str(device)!r})."
+            )
+    for value in tensors:
+        if value.is_floating_point() and value.dtype != dtype:
+            raise ValueError(
+                f"inputs has dtype {value.dtype} but the model has {dtype}; convert with "
+                f"inputs.to({dtype})."
+            )
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "ggnchunk cannot run inside torch.inference_mode(), which forbids the "
+            "backward passes it needs; call it outside (torch.no_grad() is fine)."
+        )
+    return batch

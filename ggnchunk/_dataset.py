@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import GGNReport, _evaluate
+from ggnchunk._api import ChunkOptions, GGNReport, _evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
@@ -57,6 +57,7 @@ class DiagGGNAccumulator:
             )
         self.model, self.loss_func = model, loss_func
         self.options = {"recover_oom": True, **dict.fromkeys(self._OPTIONS[:4]), **options}
+        self._chunking = ChunkOptions(**self.options)
         self.reset()
 
     def reset(self) -> None:
@@ -78,18 +79,16 @@ class DiagGGNAccumulator:
             How the batch was chunked.
         """
         result = _evaluate(
-            self.model, self.loss_func, inputs, targets, self.options["num_chunks"],
-            self.options["chunk_size"], self.options["max_memory"],
-            self.options["batch_chunk_size"], self.options["recover_oom"], scale=1.0,
-        )  # fmt: skip
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            self.model, self.loss_func, inputs, targets, self._chunking, scale=1.0
+        )
+        names = result.names
         if self._sum is None:
             self._sum = dict(zip(names, result.diagonal, strict=True))
         else:
             for name, value in zip(names, result.diagonal, strict=True):
                 self._sum[name].add_(value)
         self.normalizer += result.normalizer
-        self.num_samples += int(inputs.shape[0])
+        self.num_samples += int(targets.shape[0])
         self.num_batches += 1
         self.last_report = result.report
         return result.report

@@ -1,0 +1,161 @@
+"""Every use of autograd's graph API and of private torch, in one place.
+
+The engine works on the autograd graph that the user's forward pass recorded: it names
+tensors by their :class:`~torch.autograd.graph.GradientEdge` (so that an in-place
+operation on a layer's output after the layer ran does not change which gradient is
+meant), walks ``Node.next_functions`` to find where the glue between layers ends and
+which parameters it uses, and backpropagates batches of vectors with
+``torch.autograd.grad(..., is_grads_batched=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Union
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = [
+    "Edge",
+    "GradientEdge",
+    "Node",
+    "accumulated_variable",
+    "batched_grad",
+    "edge_key",
+    "edge_of",
+    "plain_grad",
+    "quiet_autograd",
+]
+
+Edge = GradientEdge
+EdgeKey = tuple[int, int]
+Target = Union[Tensor, GradientEdge]
+
+_HARMLESS = (
+    # vmap falls back to a loop for a few backward formulas; still exact.
+    r"There is a performance drop because we have not yet implemented the batching rule",
+    # torch's own notice when a module's inputs do not require grad.
+    r"Full backward hook is firing when gradients are computed with respect to module",
+)
+
+
+@contextlib.contextmanager
+def quiet_autograd() -> Iterator[None]:
+    """Silence, by message, the torch warnings a user cannot act on.
+
+    Yields:
+        Nothing; other warnings pass through unchanged.
+    """
+    with warnings.catch_warnings():
+        for message in _HARMLESS:
+            warnings.filterwarnings("ignore", message=message + ".*")
+        yield
+
+
+def edge_of(tensor: Tensor) -> GradientEdge:
+    """The gradient edge of ``tensor`` now: it keeps naming this value after in-place ops.
+
+    Args:
+        tensor: A tensor that requires grad.
+
+    Returns:
+        Its ``(node, output_nr)`` edge.
+    """
+    return get_gradient_edge(tensor)
+
+
+def edge_key(edge: GradientEdge | tuple[Node, int]) -> EdgeKey:
+    """A hashable key for an edge: identity of its node and the output number.
+
+    Args:
+        edge: A gradient edge or a ``(node, output_nr)`` pair from ``next_functions``.
+
+    Returns:
+        ``(id(node), output_nr)``.
+    """
+    node, number = (edge.node, edge.output_nr) if isinstance(edge, GradientEdge) else edge
+    return id(node), int(number)
+
+
+def accumulated_variable(node: Node) -> Tensor | None:
+    """The leaf tensor behind an ``AccumulateGrad`` node, else ``None``.
+
+    Args:
+        node: A node of the autograd graph.
+
+    Returns:
+        The leaf tensor (a parameter, or a leaf the engine created).
+    """
+    if type(node).__name__ == "AccumulateGrad":
+        return node.variable
+    return None
+
+
+def batched_grad(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """Backpropagate a batch of vectors (leading axis) from ``outputs`` to ``inputs``.
+
+    Args:
+        outputs: Tensors or gradient edges where the vectors start.
+        inputs: Tensors or gradient edges where they are wanted.
+        grad_outputs: One ``[V, *output_shape]`` tensor per output.
+
+    Returns:
+        One ``[V, *input_shape]`` tensor per input (``None`` where unreachable).
+    """
+    with quiet_autograd():
+        return torch.autograd.grad(
+            list(outputs),
+            list(inputs),
+            grad_outputs=list(grad_outputs),
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+
+
+def plain_grad(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """Backpropagate one vector from ``outputs`` to ``inputs`` (graph kept).
+
+    Args:
+        outputs: Tensors or gradient edges where the vector starts.
+        inputs: Tensors or gradient edges where it is wanted.
+        grad_outputs: One tensor per output, of its shape.
+
+    Returns:
+        One tensor per input (``None`` where unreachable).
+    """
+    with quiet_autograd():
+        return torch.autograd.grad(
+            list(outputs),
+            list(inputs),
+            grad_outputs=list(grad_outputs),
+            retain_graph=True,
+            allow_unused=True,
+        )
+
+
+def message_is_inplace_error(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's complaint about a tensor modified in place.
+
+    Args:
+        error: The exception.
+
+    Returns:
+        ``True`` for "modified by an inplace operation" errors.
+    """
+    return isinstance(error, RuntimeError) and bool(
+        re.search(r"modified by an inplace operation", str(error))
+    )

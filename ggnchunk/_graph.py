@@ -1,0 +1,529 @@
+r"""The recorded forward pass and the backward sweeps over it.
+
+**Recording.** The user's forward runs once, with two hooks on every layer that has a rule
+(see :mod:`ggnchunk._rules`): before the layer, its input is replaced by a detached copy
+that requires grad (a *leaf*, sharing storage), which cuts the autograd graph at the
+layer's input; after it, the layer's output is named by its gradient edge. The graph
+falls apart into the layers' own small graphs (leaf → output) and the *glue* between them:
+everything else the forward did (activations, residual additions, ``torch.cat``, attention
+maths, in-place operations, dropout with the masks it drew, parameters used in functional
+calls), which autograd differentiates as recorded. Nothing is ever run again.
+
+**Plan.** For every place where glue begins (the model output, and the original tensor
+behind every cut), a walk over ``next_functions`` finds the layer outputs it reaches
+without passing another layer (its *frontier*) and the parameters it uses.
+
+**Sweep.** For a chunk of square-root columns ``S`` (``[V, N, *output]``), the layers are
+visited in reverse call order (a reverse topological order): the vectors at a layer's
+output are complete once every later layer and the glue after it are done; the layer's
+rule turns them into parameter diagonals; autograd (batched over the ``V`` columns) moves
+them to the layer's input and, once every consumer of that input is done, through the
+glue to the frontier, where they are added up. A parameter used in the glue, or in more
+than one place, gets per-(column, sample) products (one masked backward per sample
+through the glue that uses it) that are added over its uses before squaring.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ggnchunk._autograd import (
+    EdgeKey,
+    GradientEdge,
+    accumulated_variable,
+    batched_grad,
+    edge_key,
+    edge_of,
+    plain_grad,
+)
+from ggnchunk._rules import LayerRule, RuleContext
+
+__all__ = ["Call", "Recording", "SampleCouplingError"]
+
+
+class SampleCouplingError(ValueError):
+    """The model mixes the samples of a batch: its GGN is not a sum over samples."""
+
+
+def _display(name: str) -> str:
+    return f"model.{name}" if name else "model"
+
+
+@dataclass
+class Call:
+    """One call of a layer with a rule during the recorded forward pass."""
+
+    index: int
+    name: str
+    rule: LayerRule
+    ctx: RuleContext
+    params: list[tuple[int, str]]  # (index in the parameter list, name in the layer)
+    leaf: Tensor | None  # the detached input that requires grad (None: input needs none)
+    source: GradientEdge | None  # where the glue before the layer ends
+    out_edge: GradientEdge
+    out_numel: int  # per sample
+
+
+@dataclass
+class _Source:
+    """Where glue begins: the model output, or the original tensor behind a cut."""
+
+    key: EdgeKey
+    target: Any  # tensor or gradient edge, for autograd
+    numel: int  # per sample
+    last_consumer: int  # the glue is pushed after this call index is done
+    direct: bool = False  # the source is a layer output itself (no glue in between)
+    frontier: list[GradientEdge] = field(default_factory=list)
+    params: list[int] = field(default_factory=list)  # parameter indices used in the glue
+
+
+class Recording:
+    """Hooks on the layers with rules for one forward pass, then plan and sweeps.
+
+    Args:
+        units: ``{module: (qualified name, rule)}``.
+        params: The trainable parameters, in ``named_parameters()`` order.
+        batch: Number of samples ``N`` in the forward pass.
+    """
+
+    def __init__(
+        self,
+        units: dict[nn.Module, tuple[str, LayerRule]],
+        params: list[nn.Parameter],
+        batch: int,
+    ):
+        self._units = units
+        self._params = params
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._batch = batch
+        self._thread = threading.get_ident()
+        self._pending: dict[int, list[Any]] = {}
+        self.calls: list[Call] = []
+        self._handles: list[Any] = []
+        self._sources: dict[EdgeKey, _Source] = {}
+        self._order: list[EdgeKey] = []  # model output source first
+        self._out_keys: dict[EdgeKey, int] = {}
+        self.shared: set[int] = set()
+        self.output_key: EdgeKey | None = None
+
+    # -- hooks -----------------------------------------------------------------------
+    def install(self) -> None:
+        """Register the hooks (removed by :meth:`remove`)."""
+        for module in self._units:
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_hook, prepend=True))
+
+    def remove(self) -> None:
+        """Remove the hooks; safe to call more than once."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        stack = self._pending.setdefault(id(module), [])
+        if threading.get_ident() != self._thread or not torch.is_grad_enabled():
+            stack.append(None)
+            return None
+        if args:
+            x, rest, key = args[0], args[1:], None
+        elif "input" in kwargs:
+            x, rest, key = kwargs["input"], (), "input"
+        else:
+            stack.append(None)
+            return None
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch:
+            stack.append(None)  # not a per-sample call: the glue handles it
+            return None
+        if x.requires_grad:
+            leaf = x.detach().requires_grad_()
+            stack.append((leaf, edge_of(x), leaf._version))
+            if key is None:
+                return (leaf, *rest), kwargs
+            return args, {**kwargs, key: leaf}
+        stack.append((None, None, x._version, x))
+        return None
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        stack = self._pending.get(id(module))
+        entry = stack.pop() if stack else None
+        if entry is None:
+            return
+        if not (isinstance(output, Tensor) and output.requires_grad):
+            return
+        if output.dim() == 0 or output.shape[0] != self._batch:
+            return
+        name, rule = self._units[module]
+        leaf, source, version = entry[:3]
+        x = leaf if leaf is not None else entry[3]
+        ctx = RuleContext(module, (x,), (version,), tuple(output.shape))
+        rule.record(ctx)
+        params = [
+            (self._param_index[id(p)], pname)
+            for pname, p in module.named_parameters(recurse=False)
+            if id(p) in self._param_index
+        ]
+        self.calls.append(
+            Call(
+                len(self.calls), name, rule, ctx, params, leaf, source, edge_of(output),
+                output[0].numel(),
+            )
+        )  # fmt: skip
+
+    # -- plan ------------------------------------------------------------------------
+    def plan(self, output: Tensor) -> None:
+        """Find each glue region's frontier and parameters (after the forward pass).
+
+        Args:
+            output: The model output, ``[N, ...]``.
+
+        Raises:
+            ValueError: If a layer's input was changed in place after the layer used it.
+        """
+        for call in self.calls:
+            x = call.ctx.inputs[0]
+            if x._version != call.ctx.versions[0]:
+                raise ValueError(
+                    f"the input of {_display(call.name)} ({type(call.ctx.module).__name__}) "
+                    "was modified in place after the layer used it (for example by an "
+                    "in-place activation or `x += ...` on the same tensor). ggnchunk needs "
+                    "the value the layer saw: use an out-of-place operation there."
+                )
+        self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
+        uses: dict[int, int] = {}
+        for call in self.calls:
+            for i, _ in call.params:
+                uses[i] = uses.get(i, 0) + 1
+        out_edge = edge_of(output)
+        self.output_key = edge_key(out_edge)
+        self._sources = {}
+        self._add_source(self.output_key, output, output[0].numel(), len(self.calls))
+        for call in self.calls:
+            if call.source is not None:
+                self._add_source(
+                    edge_key(call.source), call.source, call.ctx.x[0].numel(), call.index
+                )
+        for source in self._sources.values():
+            self._walk(source)
+            for i in source.params:
+                uses[i] = uses.get(i, 0) + 1
+        self.shared = {i for i, count in uses.items() if count > 1}
+        self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
+
+    def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
+        source = self._sources.get(key)
+        if source is None:
+            self._sources[key] = _Source(key, target, numel, consumer)
+        else:
+            source.last_consumer = min(source.last_consumer, consumer)
+
+    def _walk(self, source: _Source) -> None:
+        if source.key in self._out_keys:
+            source.direct = True
+            return
+        node = source.target.grad_fn if isinstance(source.target, Tensor) else None
+        if node is None and isinstance(source.target, GradientEdge):
+            node = source.target.node
+        frontier: dict[EdgeKey, GradientEdge] = {}
+        params: set[int] = set()
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current is None or id(current) in seen:
+                continue
+            seen.add(id(current))
+            variable = accumulated_variable(current)
+            if variable is not None:
+                if id(variable) in self._param_index:
+                    params.add(self._param_index[id(variable)])
+                continue
+            for nxt, number in current.next_functions:
+                if nxt is None:
+                    continue
+                key = edge_key((nxt, number))
+                if key in self._out_keys:
+                    frontier[key] = self.calls[self._out_keys[key]].out_edge
+                else:
+                    stack.append(nxt)
+        source.frontier = list(frontier.values())
+        source.params = sorted(params)
+
+    # -- memory model ----------------------------------------------------------------
+    def column_bytes(self, element: int) -> int:
+        """An upper bound on the bytes one square-root column costs during a sweep.
+
+        Simulates which backpropagated tensors are alive at each step of the sweep (the
+        pending vectors at layer outputs and glue sources, the current layer's rule
+        intermediates, autograd's buffers in the glue) and takes the largest total.
+
+        Args:
+            element: Bytes per element of the computation's dtype.
+
+        Returns:
+            Bytes per column.
+        """
+        n = self._batch
+        live: dict[Any, int] = {}
+        worst = 0
+
+        def glue_cost(source: _Source) -> int:
+            front = sum(self.calls[self._out_keys[edge_key(e)]].out_numel for e in source.frontier)
+            extra = 0
+            if source.params:
+                extra = sum(self._params[i].numel() for i in source.params) + source.numel
+            return 2 * (source.numel + front) + extra
+
+        def push(key: EdgeKey) -> int:
+            source = self._sources[key]
+            peak = 0
+            if not source.direct:
+                peak = glue_cost(source)
+                for e in source.frontier:
+                    out = self.calls[self._out_keys[edge_key(e)]]
+                    live[("out", out.index)] = out.out_numel
+            else:
+                out = self.calls[self._out_keys[key]]
+                live[("out", out.index)] = out.out_numel
+            live.pop(("src", key), None)
+            return peak
+
+        order = iter(self._order)
+        pending_keys = list(self._order)
+        worst = push(self.output_key) if self.output_key in self._sources else 0
+        next(order, None)
+        for call in reversed(self.calls):
+            g = live.pop(("out", call.index), call.out_numel)
+            rule_bytes = call.rule.column_bytes(call.ctx, element) // (element * n)
+            shared = sum(
+                self._params[i].numel() for i, _ in call.params if i in self.shared
+            )
+            step = sum(live.values()) + g + rule_bytes + shared
+            if call.source is not None:
+                key = edge_key(call.source)
+                live[("src", key)] = live.get(("src", key), 0) or call.ctx.x[0].numel()
+                step += call.ctx.x[0].numel()
+                if self._sources[key].last_consumer == call.index:
+                    step = max(step, sum(live.values()) + push(key))
+            worst = max(worst, step)
+        del pending_keys
+        shared_total = sum(self._params[i].numel() for i in self.shared)
+        return int((worst + shared_total) * n * element * 1.25)
+
+    def fixed_bytes(self, element: int) -> int:
+        """Bytes the rules keep for the whole forward pass (unfolded patches, Gram factors).
+
+        Args:
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return sum(call.rule.fixed_bytes(call.ctx, element) for call in self.calls)
+
+    # -- sweeps ----------------------------------------------------------------------
+    def sweep(
+        self,
+        seed: Tensor,
+        diagonal: list[Tensor] | None,
+        visit: Callable[[str, Tensor], None] | None = None,
+    ) -> None:
+        """Backpropagate ``seed`` (``[V, N, *output]``) and add parameter diagonals.
+
+        Args:
+            seed: Square-root columns at the model output.
+            diagonal: Accumulators, one per parameter (``None``: only ``visit``).
+            visit: Called with ``(where, vectors)`` at every layer output and input
+                (used to check that samples stay independent).
+        """
+        v, n = seed.shape[:2]
+        outs: dict[EdgeKey, Tensor] = {}
+        srcs: dict[EdgeKey, Tensor] = {}
+        buffers: dict[int, Tensor] = {}
+
+        def add(store: dict, key: EdgeKey, value: Tensor) -> None:
+            old = store.get(key)
+            store[key] = value if old is None else old + value
+
+        def per_sample(index: int, value: Tensor) -> None:
+            if index in buffers:
+                buffers[index] += value
+            else:
+                buffers[index] = value.clone() if value.stride(1) == 0 else value
+
+        def push(key: EdgeKey, grads: Tensor) -> None:
+            source = self._sources[key]
+            if source.direct:
+                add(outs, key, grads)
+                return
+            if source.frontier:
+                results = batched_grad([source.target], source.frontier, [grads])
+                for edge, value in zip(source.frontier, results, strict=True):
+                    if value is not None:
+                        add(outs, edge_key(edge), value)
+            if source.params and diagonal is not None:
+                params = [self._params[i] for i in source.params]
+                masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+                for sample in range(n):
+                    masked[:, sample] = grads[:, sample]
+                    results = batched_grad([source.target], params, [masked])
+                    masked[:, sample] = 0
+                    for i, value in zip(source.params, results, strict=True):
+                        if value is None:
+                            continue
+                        if i not in buffers:
+                            buffers[i] = value.new_zeros(v, n, *value.shape[1:])
+                        buffers[i][:, sample] += value
+
+        push(self.output_key, seed)
+        for call in reversed(self.calls):
+            grads = outs.pop(edge_key(call.out_edge), None)
+            if grads is None:
+                continue
+            if visit is not None:
+                visit(f"the output of {_display(call.name)}", grads)
+            if diagonal is not None and call.params:
+                if any(i in self.shared for i, _ in call.params):
+                    products = call.rule.per_sample(call.ctx, grads)
+                    for i, pname in call.params:
+                        if i in self.shared:
+                            per_sample(i, products[pname])
+                        else:
+                            diagonal[i] += products[pname].square().sum((0, 1))
+                else:
+                    values = call.rule.diag(call.ctx, grads)
+                    for i, pname in call.params:
+                        diagonal[i] += values[pname]
+            if call.leaf is None:
+                continue
+            (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
+            del grads
+            if back is None:
+                continue
+            key = edge_key(call.source)
+            add(srcs, key, back)
+            del back
+            if self._sources[key].last_consumer == call.index:
+                pending = srcs.pop(key)
+                if visit is not None:
+                    visit(f"the input of {_display(call.name)}", pending)
+                push(key, pending)
+        if diagonal is not None:
+            for i, value in buffers.items():
+                diagonal[i] += value.square().sum((0, 1))
+
+    def gradient(self, seed: Tensor) -> list[Tensor | None]:
+        """The loss gradient: ``seed`` (``dL/doutput``) backpropagated to the parameters.
+
+        Args:
+            seed: ``[N, *output]``.
+
+        Returns:
+            One gradient per parameter (``None`` where the loss does not depend on it).
+        """
+        grads: list[Tensor | None] = [None] * len(self._params)
+        outs: dict[EdgeKey, Tensor] = {}
+        srcs: dict[EdgeKey, Tensor] = {}
+
+        def add_param(index: int, value: Tensor | None) -> None:
+            if value is not None:
+                grads[index] = value if grads[index] is None else grads[index] + value
+
+        def add(store: dict, key: EdgeKey, value: Tensor) -> None:
+            old = store.get(key)
+            store[key] = value if old is None else old + value
+
+        def push(key: EdgeKey, value: Tensor) -> None:
+            source = self._sources[key]
+            if source.direct:
+                add(outs, key, value)
+                return
+            targets = [*source.frontier, *(self._params[i] for i in source.params)]
+            if not targets:
+                return
+            results = plain_grad([source.target], targets, [value])
+            for edge, result in zip(source.frontier, results, strict=False):
+                if result is not None:
+                    add(outs, edge_key(edge), result)
+            for i, result in zip(source.params, results[len(source.frontier) :], strict=True):
+                add_param(i, result)
+
+        push(self.output_key, seed)
+        for call in reversed(self.calls):
+            value = outs.pop(edge_key(call.out_edge), None)
+            if value is None:
+                continue
+            targets = [self._params[i] for i, _ in call.params]
+            if call.leaf is not None:
+                targets.append(call.leaf)
+            results = plain_grad([call.out_edge], targets, [value])
+            for (i, _), result in zip(call.params, results, strict=False):
+                add_param(i, result)
+            if call.leaf is None or results[-1] is None:
+                continue
+            key = edge_key(call.source)
+            add(srcs, key, results[-1])
+            if self._sources[key].last_consumer == call.index:
+                push(key, srcs.pop(key))
+        return grads
+
+    def check_independent(self, output: Tensor) -> None:
+        """Refuse models whose samples influence each other (before any real pass).
+
+        Backpropagates one random vector from the first and one from the last sample's
+        output and checks that they stay on their sample at every layer's output and
+        input: an exact test of the recorded graph, for couplings in layers and glue.
+
+        Args:
+            output: The model output, ``[N, ...]``.
+
+        Raises:
+            SampleCouplingError: Naming the first place where samples mix.
+        """
+        n = output.shape[0]
+        if n < 2:
+            return
+        seed = torch.zeros(2, *output.shape, dtype=output.dtype, device=output.device)
+        generator = torch.Generator(device=output.device).manual_seed(0)
+        for column, sample in enumerate((0, n - 1)):
+            seed[column, sample] = torch.rand(
+                output.shape[1:], generator=generator, dtype=output.dtype,
+                device=output.device,
+            ) + 0.5  # fmt: skip
+
+        def visit(where: str, vectors: Tensor) -> None:
+            others = torch.ones(2, n, dtype=torch.bool, device=vectors.device)
+            others[0, 0] = others[1, n - 1] = False
+            flat = vectors.reshape(2, n, -1)
+            if bool((flat[others] != 0).any()):
+                raise SampleCouplingError(
+                    f"samples of the batch influence each other: backpropagating from one "
+                    f"sample's output reaches other samples at {where}. An operation in "
+                    "the model mixes samples (batch statistics such as BatchNorm in "
+                    "training mode or x - x.mean(0), or attention across the batch axis), "
+                    "so the GGN is not a sum over samples. Call model.eval(), or remove "
+                    "the operation that mixes samples."
+                )
+
+        visit("the model output", seed)
+        self.sweep(seed, None, visit)
+
+
+def numel_per_sample(tensor: Tensor) -> int:
+    """Elements per sample of a ``[N, ...]`` tensor.
+
+    Args:
+        tensor: A batched tensor.
+
+    Returns:
+        ``prod(tensor.shape[1:])``.
+    """
+    return math.prod(tensor.shape[1:])

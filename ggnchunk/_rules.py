@@ -1,0 +1,618 @@
+r"""Per-layer rules: a layer's parameter diagonals from its input and a batch of vectors.
+
+For a layer ``y_n = f(theta, x_n)`` that treats samples independently, the engine hands
+its rule the layer's recorded input ``x`` (``[N, ...]``) and the vectors ``G`` that the
+chunk's square-root columns became at the layer's output (``[V, N, *y.shape[1:]]``). The
+rule returns ``sum_{v, n} (J_theta(x_n)^T G[v, n])**2`` per parameter (:meth:`diag`), or
+the per-(column, sample) products themselves when a parameter is shared and its products
+must be added across uses before squaring (:meth:`per_sample`).
+
+Only layers with parameters need a rule: everything between them is backpropagated by
+autograd (see :mod:`ggnchunk._graph`), and a parameter without a rule (an LSTM's weights,
+``nn.MultiheadAttention``'s projections, a parameter used in a functional call) gets its
+per-sample products from the recorded graph instead. Rules never run the user's code:
+they use the recorded input and torch's own functions.
+
+Many rules reduce to ``sum_{v,n} (sum_p A[v,n,g,o,p] B[n,g,k,p])**2`` with ``p`` running
+over positions (tokens, pixels): :func:`square_sum` computes it either directly (form the
+products, square) or in Gram form (``sum_{p,q} (A A^T)_{pq} (B B^T)_{pq}``), whichever
+needs fewer operations; the Gram factor of ``B`` does not depend on the chunk and is
+computed once per forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "RULES",
+    "LayerRule",
+    "RuleContext",
+    "rule_for",
+    "square_sum",
+    "supported_layers_table",
+]
+
+
+# -- the shared contraction -------------------------------------------------------------
+
+
+def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int) -> bool:
+    direct = 2 * v * n * g * o * k * p + v * n * g * o * k
+    gram = 2 * v * n * g * o * p * p + 2 * n * g * o * k * p * p
+    return p == 1 or gram < direct
+
+
+def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+    """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
+
+    Args:
+        a: ``[V, N, G, O, P]`` (chunk-dependent side).
+        b: ``[N, G, K, P]`` (fixed for the forward pass).
+        cache: Where the Gram factor of ``b`` is kept between chunks.
+
+    Returns:
+        ``[G, O, K]``.
+    """
+    v, n, g, o, p = a.shape
+    k = b.shape[2]
+    if _use_gram(v, n, g, o, k, p):
+        if p == 1:
+            return torch.einsum("ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square())
+        bb = None if cache is None else cache.get("gram")
+        if bb is None:
+            bb = torch.einsum("ngkp,ngkq->ngkpq", b, b)
+            if cache is not None:
+                cache["gram"] = bb
+        aa = torch.einsum("vngop,vngoq->ngopq", a, a)
+        return torch.einsum("ngopq,ngkpq->gok", aa, bb)
+    products = torch.einsum("vngop,ngkp->vngok", a, b)
+    return products.square().sum((0, 1))
+
+
+def products(a: Tensor, b: Tensor) -> Tensor:
+    """``sum_p a[v,n,g,o,p] b[n,g,k,p]`` as ``[V, N, G, O, K]`` (per-sample products).
+
+    Args:
+        a: ``[V, N, G, O, P]``.
+        b: ``[N, G, K, P]``.
+
+    Returns:
+        ``[V, N, G, O, K]``.
+    """
+    return torch.einsum("vngop,ngkp->vngok", a, b)
+
+
+def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Tensor:
+    """Patches of ``x`` as a convolution sees them, for 1, 2 or 3 spatial dimensions.
+
+    Args:
+        x: ``[B, C, *spatial]``.
+        kernel: Kernel size per spatial dimension.
+        stride: Stride per spatial dimension.
+        padding: Zero padding per spatial dimension.
+        dilation: Dilation per spatial dimension.
+
+    Returns:
+        ``[B, C * prod(kernel), P]``: row ``c * K + j`` is channel ``c`` at kernel offset
+        ``j``, for each of the ``P`` output positions.
+    """
+    channels, dims = x.shape[1], len(kernel)
+    size = math.prod(kernel)
+    eye = torch.eye(size, dtype=x.dtype, device=x.device).reshape(size, 1, *kernel)
+    weight = eye.repeat(channels, *([1] * (dims + 1)))
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    out = conv(x, weight, None, stride, padding, dilation, channels)
+    return out.reshape(x.shape[0], channels * size, -1)
+
+
+# -- rules ------------------------------------------------------------------------------
+
+
+@dataclass
+class RuleContext:
+    """What a rule keeps from one call of its layer (set at forward time).
+
+    Attributes:
+        module: The layer.
+        inputs: The layer's tensor inputs as it received them (detached leaves).
+        versions: Their version counters then (an in-place change is detected).
+        out_shape: Shape of the layer's output.
+        extra: Anything else the rule stored (running statistics, caches).
+    """
+
+    module: nn.Module
+    inputs: tuple[Tensor, ...]
+    versions: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def x(self) -> Tensor:
+        """The layer's first input, detached."""
+        return self.inputs[0].detach()
+
+
+class LayerRule(ABC):
+    """Parameter diagonals of one kind of layer from its input and backpropagated vectors.
+
+    Subclasses set ``classes`` (layers whose ``forward`` is the one the rule knows) and
+    ``param_names``, and implement :meth:`per_sample`; :meth:`diag` may be overridden
+    by a faster form that never materializes the per-sample products.
+    """
+
+    classes: tuple[type[nn.Module], ...] = ()
+    param_names: tuple[str, ...] = ("weight", "bias")
+    description: str = ""
+
+    def record(self, ctx: RuleContext) -> None:  # noqa: B027 - optional hook
+        """Store what the rule needs beyond the input (called at forward time).
+
+        Args:
+            ctx: The call's context.
+        """
+
+    def check(self, name: str, module: nn.Module) -> None:  # noqa: B027 - optional
+        """Raise a ``ValueError`` if this layer cannot be handled exactly.
+
+        Args:
+            name: The layer's qualified name, for the message.
+            module: The layer.
+        """
+
+    @abstractmethod
+    def per_sample(self, ctx: RuleContext, grads: Tensor) -> dict[str, Tensor]:
+        """Per-(column, sample) parameter products ``J_theta(x_n)^T G[v, n]``.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [V, N, *param.shape]}`` for the layer's trainable parameters.
+        """
+
+    def diag(self, ctx: RuleContext, grads: Tensor) -> dict[str, Tensor]:
+        """``sum_{v, n}`` of the squared per-sample products.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [*param.shape]}``.
+        """
+        return {k: t.square().sum((0, 1)) for k, t in self.per_sample(ctx, grads).items()}
+
+    def column_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule allocates per column of a chunk, at most (for memory plans).
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound per column.
+        """
+        return 2 * math.prod(ctx.out_shape) * element
+
+    def fixed_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule keeps for the whole forward pass (caches), at most.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return 0
+
+
+def _trainable(module: nn.Module, name: str) -> bool:
+    param = getattr(module, name, None)
+    return isinstance(param, nn.Parameter) and param.requires_grad
+
+
+class LinearRule(LayerRule):
+    """``nn.Linear`` on ``[N, ..., D]``; Gram form over the extra axes where cheaper."""
+
+    classes = (nn.Linear,)
+    description = "any leading axes `[N, ..., D]`"
+
+    @staticmethod
+    def _sides(ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
+        x = ctx.x
+        n, i = x.shape[0], x.shape[-1]
+        v, o = grads.shape[0], grads.shape[-1]
+        a = grads.reshape(v, n, -1, o).transpose(2, 3).unsqueeze(2)  # [V,N,1,O,P]
+        b = x.reshape(n, -1, i).transpose(1, 2).unsqueeze(1)  # [N,1,I,P]
+        return a, b
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        a, b = self._sides(ctx, grads)
+        if _trainable(module, "weight"):
+            out["weight"] = square_sum(a, b, ctx.extra)[0]
+        if _trainable(module, "bias"):
+            out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
+        return out
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        a, b = self._sides(ctx, grads)
+        if _trainable(module, "weight"):
+            out["weight"] = products(a, b)[:, :, 0]
+        if _trainable(module, "bias"):
+            out["bias"] = a.sum(4)[:, :, 0]
+        return out
+
+    def column_bytes(self, ctx, element):
+        x = ctx.x
+        n, positions = x.shape[0], x[0].numel() // x.shape[-1]
+        o, i = ctx.out_shape[-1], x.shape[-1]
+        gram = n * positions * positions * o if positions > 1 else n * o
+        return (2 * math.prod(ctx.out_shape) + min(n * o * i, gram)) * element
+
+    def fixed_bytes(self, ctx, element):
+        x = ctx.x
+        positions = x[0].numel() // x.shape[-1]
+        if positions == 1:
+            return 0
+        return x.shape[0] * positions * positions * x.shape[-1] * element
+
+
+def _tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+
+def _explicit_padding(module: nn.Module, dims: int) -> list[tuple[int, int]]:
+    """(left, right) zero padding per spatial dimension, ``"same"``/``"valid"`` resolved."""
+    kernel = _tuple(module.kernel_size, dims)
+    dilation = _tuple(module.dilation, dims)
+    if module.padding == "valid":
+        return [(0, 0)] * dims
+    if module.padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation, strict=True):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in _tuple(module.padding, dims)]
+
+
+class ConvRule(LayerRule):
+    """``nn.Conv1d/2d/3d``: any stride, padding (also ``"same"``, non-zero modes), groups.
+
+    The input's patches are unfolded once per forward pass.
+    """
+
+    classes = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    description = "groups, dilation, stride, all padding modes; patches unfolded once"
+
+    def _patches(self, ctx: RuleContext) -> Tensor:
+        cached = ctx.extra.get("patches")
+        if cached is not None:
+            return cached
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        pads = _explicit_padding(module, dims)
+        flat = [p for pair in reversed(pads) for p in pair]
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        if any(flat):
+            x = F.pad(x, flat, mode=mode)
+        patches = unfold(
+            x, _tuple(module.kernel_size, dims), _tuple(module.stride, dims), 0,
+            _tuple(module.dilation, dims),
+        )  # fmt: skip
+        g = module.groups
+        patches = patches.reshape(x.shape[0], g, -1, patches.shape[-1])  # [N, G, K, P]
+        ctx.extra["patches"] = patches
+        return patches
+
+    def _a(self, ctx: RuleContext, grads: Tensor) -> Tensor:
+        v, n, c = grads.shape[:3]
+        g = ctx.module.groups
+        return grads.reshape(v, n, g, c // g, -1)
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        a = self._a(ctx, grads)
+        if _trainable(module, "weight"):
+            b = self._patches(ctx)
+            out["weight"] = square_sum(a, b, ctx.extra).reshape(module.weight.shape)
+        if _trainable(module, "bias"):
+            out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
+        return out
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        a = self._a(ctx, grads)
+        v, n = a.shape[:2]
+        if _trainable(module, "weight"):
+            out["weight"] = products(a, self._patches(ctx)).reshape(
+                v, n, *module.weight.shape
+            )
+        if _trainable(module, "bias"):
+            out["bias"] = a.sum(4).reshape(v, n, -1)
+        return out
+
+    def column_bytes(self, ctx, element):
+        module = ctx.module
+        n = ctx.out_shape[0]
+        positions = math.prod(ctx.out_shape[2:])
+        weight = module.weight.numel()
+        g = module.groups
+        o = module.out_channels // g
+        k = weight // module.out_channels
+        gram = n * g * positions * positions * o
+        return (2 * math.prod(ctx.out_shape) + min(n * weight, gram)) * element
+
+    def fixed_bytes(self, ctx, element):
+        module = ctx.module
+        n = ctx.out_shape[0]
+        positions = math.prod(ctx.out_shape[2:])
+        k = module.weight.numel() // module.out_channels * module.groups
+        return 2 * n * k * positions * element + n * k * positions**2 * element
+
+
+class ConvTransposeRule(LayerRule):
+    """``nn.ConvTranspose1d/2d/3d``: stride, padding, ``output_padding``, groups, dilation.
+
+    BackPACK 1.7.1's rule fails with ``output_padding > 0``, the standard stride-2 decoder
+    layer; this one unfolds the backpropagated vectors on the output grid, whose patches
+    line up with the input positions for every ``output_padding``.
+    """
+
+    classes = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    description = "groups, dilation, stride, `output_padding`"
+
+    def _sides(self, ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        v, n, c = grads.shape[:3]
+        g = module.groups
+        patches = unfold(
+            grads.reshape(v * n, c, *grads.shape[3:]),
+            _tuple(module.kernel_size, dims), _tuple(module.stride, dims),
+            _tuple(module.padding, dims), _tuple(module.dilation, dims),
+        )  # fmt: skip
+        a = patches.reshape(v, n, g, -1, patches.shape[-1])  # [V, N, G, Cout/G*K, P]
+        b = ctx.extra.get("b")
+        if b is None:
+            b = x.reshape(n, g, x.shape[1] // g, -1)  # [N, G, Cin/G, P]
+            ctx.extra["b"] = b
+        return a, b
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        if _trainable(module, "weight"):
+            a, b = self._sides(ctx, grads)
+            result = square_sum(a, b, ctx.extra)  # [G, Cout/G*K, Cin/G]
+            out["weight"] = result.transpose(1, 2).reshape(module.weight.shape)
+        if _trainable(module, "bias"):
+            v, n, c = grads.shape[:3]
+            out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
+        return out
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        v, n, c = grads.shape[:3]
+        if _trainable(module, "weight"):
+            a, b = self._sides(ctx, grads)
+            prods = products(a, b)  # [V, N, G, Cout/G*K, Cin/G]
+            out["weight"] = prods.transpose(3, 4).reshape(v, n, *module.weight.shape)
+        if _trainable(module, "bias"):
+            out["bias"] = grads.reshape(v, n, c, -1).sum(3)
+        return out
+
+    def column_bytes(self, ctx, element):
+        module = ctx.module
+        n = ctx.out_shape[0]
+        k = module.weight.numel() // (module.in_channels * module.out_channels // module.groups)
+        patches = n * module.out_channels * k * math.prod(ctx.x.shape[2:])
+        return (2 * math.prod(ctx.out_shape) + 2 * patches + n * module.weight.numel()) * (
+            element
+        )
+
+
+class _NormRule(LayerRule):
+    """Shared by the normalizations: ``y = x_hat * weight + bias`` per channel/feature."""
+
+    def _x_hat(self, ctx: RuleContext) -> Tensor:
+        raise NotImplementedError
+
+    def _sum_axes(self, ctx: RuleContext, grads: Tensor) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _reduce(self, ctx: RuleContext, t: Tensor) -> Tensor:
+        """``[V, N, *out]`` → ``[V, N, *param.shape]`` (sum over the other axes)."""
+        axes = self._sum_axes(ctx, t)
+        return t.sum(axes) if axes else t
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        if _trainable(module, "weight"):
+            x_hat = ctx.extra.get("x_hat")
+            if x_hat is None:
+                x_hat = ctx.extra["x_hat"] = self._x_hat(ctx)
+            out["weight"] = self._reduce(ctx, grads * x_hat)
+        if _trainable(module, "bias"):
+            out["bias"] = self._reduce(ctx, grads)
+        return out
+
+    def fixed_bytes(self, ctx, element):
+        return math.prod(ctx.out_shape) * element
+
+
+class BatchNormRule(_NormRule):
+    """``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics."""
+
+    classes = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    description = "eval mode only (training mode couples samples)"
+
+    def record(self, ctx):
+        module = ctx.module
+        ctx.extra["mean"] = module.running_mean.detach().clone()
+        ctx.extra["var"] = module.running_var.detach().clone()
+
+    def _x_hat(self, ctx):
+        x = ctx.x
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean = ctx.extra["mean"].to(x.dtype).view(shape)
+        std = (ctx.extra["var"].to(x.dtype) + ctx.module.eps).sqrt().view(shape)
+        return (x - mean) / std
+
+    def _sum_axes(self, ctx, grads):
+        return tuple(range(3, grads.dim()))
+
+
+class LayerNormRule(_NormRule):
+    """``nn.LayerNorm`` (any ``normalized_shape``, with or without bias)."""
+
+    classes = (nn.LayerNorm,)
+    description = "any `normalized_shape`"
+
+    def _x_hat(self, ctx):
+        module = ctx.module
+        return F.layer_norm(ctx.x, module.normalized_shape, None, None, module.eps)
+
+    def _sum_axes(self, ctx, grads):
+        kept = len(ctx.module.normalized_shape)
+        return tuple(range(2, grads.dim() - kept))
+
+
+class GroupNormRule(_NormRule):
+    """``nn.GroupNorm``."""
+
+    classes = (nn.GroupNorm,)
+    description = "per-sample statistics"
+
+    def _x_hat(self, ctx):
+        module = ctx.module
+        return F.group_norm(ctx.x, module.num_groups, None, None, module.eps)
+
+    def _sum_axes(self, ctx, grads):
+        return tuple(range(3, grads.dim()))
+
+
+class EmbeddingRule(LayerRule):
+    """``nn.Embedding``: rows gathered by index; ``padding_idx``'s row gets 0.
+
+    Sample ``n``'s product for row ``r`` is the sum of the output vectors at the positions
+    whose index is ``r``.
+    """
+
+    classes = (nn.Embedding,)
+    param_names = ("weight",)
+    description = "any index shape; `padding_idx` row is 0 (BackPACK's fails in float64)"
+
+    def _grouped(self, ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        module, indices = ctx.module, ctx.inputs[0]
+        count, dim = module.num_embeddings, module.embedding_dim
+        n = indices.shape[0]
+        sample = torch.arange(n, device=indices.device).repeat_interleave(
+            indices[0].numel()
+        )
+        keys = sample * count + indices.reshape(-1)
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        v = grads.shape[0]
+        summed = grads.new_zeros(v, unique.numel(), dim)
+        summed.index_add_(1, inverse, grads.reshape(v, -1, dim))
+        return unique, summed, grads.new_zeros(count, dim)
+
+    def diag(self, ctx, grads):
+        module = ctx.module
+        unique, summed, result = self._grouped(ctx, grads)
+        result.index_add_(0, unique % module.num_embeddings, summed.square().sum(0))
+        if module.padding_idx is not None:
+            result[module.padding_idx] = 0.0
+        return {"weight": result}
+
+    def per_sample(self, ctx, grads):
+        module = ctx.module
+        count = module.num_embeddings
+        unique, summed, _ = self._grouped(ctx, grads)
+        v, n = grads.shape[:2]
+        result = grads.new_zeros(v, n * count, module.embedding_dim)
+        result.index_add_(1, unique, summed)
+        result = result.view(v, n, count, -1)
+        if module.padding_idx is not None:
+            result[:, :, module.padding_idx] = 0.0
+        return {"weight": result}
+
+
+RULES: tuple[LayerRule, ...] = (
+    LinearRule(),
+    ConvRule(),
+    ConvTransposeRule(),
+    BatchNormRule(),
+    LayerNormRule(),
+    GroupNormRule(),
+    EmbeddingRule(),
+)
+"""Registry: one rule per kind of parameterized layer. A new layer is one new entry."""
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module`` if its computation is exactly the one the rule knows.
+
+    A module qualifies when its class (or a subclass that does not override ``forward``,
+    such as ``nn.MultiheadAttention``'s output projection) runs the known layer's
+    ``forward``, it is not parametrized (``torch.nn.utils.parametrize``), and its own
+    trainable parameters are among the rule's (``weight``, ``bias``). Anything else is
+    handled from the recorded graph.
+
+    Args:
+        module: A module.
+
+    Returns:
+        The rule, or ``None``.
+    """
+    if "forward" in vars(module) or parametrize.is_parametrized(module):
+        return None
+    forward = type(module).forward
+    own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    if not own:
+        return None
+    for rule in RULES:
+        for cls in rule.classes:
+            if isinstance(module, cls) and forward is cls.forward:
+                if set(own) <= set(rule.param_names):
+                    return rule
+                return None
+    return None
+
+
+def supported_layers_table() -> str:
+    """A markdown table of the layers with a dedicated rule, generated from :data:`RULES`.
+
+    Returns:
+        Markdown text: one row per layer class, then how everything else is handled.
+    """
+    rows = ["| layer | how | notes |", "|---|---|---|"]
+    for rule in RULES:
+        for cls in rule.classes:
+            rows.append(f"| `nn.{cls.__name__}` | rule `{type(rule).__name__}` | "
+                        f"{rule.description} |")  # fmt: skip
+    rows.append(
+        "| any layer without parameters (activations, pooling, dropout, reshapes, `cat`,"
+        " additions, attention maths, functional calls) | autograd on the recorded "
+        "graph, batched over columns | no rule needed; in-place operations are fine |"
+    )
+    rows.append(
+        "| any other parameter (RNN/LSTM/GRU, `nn.MultiheadAttention` projections, "
+        "parameters used functionally, custom layers) | per-sample products from the "
+        "recorded graph | exact; one batched backward per sample through the part of "
+        "the graph that uses the parameter |"
+    )
+    return "\n".join(rows)
