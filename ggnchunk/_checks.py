@@ -226,6 +226,11 @@ def check_batch(
             f"targets must be a torch.Tensor with the batch on axis 0, got "
             f"{type(targets).__name__}."
         )
+    if isinstance(inputs, Tensor) and (inputs.dim() == 0 or inputs.shape[0] == 0):
+        raise ValueError(
+            f"inputs has shape {tuple(inputs.shape)}: the batch is empty. Pass at least "
+            "one sample, batch on axis 0."
+        )
     if targets.dim() == 0 or targets.shape[0] == 0:
         raise ValueError(
             f"targets has shape {tuple(targets.shape)}: the batch is empty or has no "
@@ -233,10 +238,16 @@ def check_batch(
         )
     batch = Batch(inputs, targets.shape[0])
     tensors = batch.tensors()
-    if isinstance(inputs, Tensor) and (inputs.dim() == 0 or inputs.shape[0] == 0):
+    if not tensors:
+        raise TypeError(
+            "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list of "
+            "model arguments (model(*inputs)) or a dict (model(**inputs)) holding at "
+            f"least one tensor; got {type(inputs).__name__} without tensors."
+        )
+    if isinstance(inputs, Tensor) and inputs.shape[0] != targets.shape[0]:
         raise ValueError(
-            f"inputs has shape {tuple(inputs.shape)}: the batch is empty. Pass at least "
-            "one sample, batch on axis 0."
+            f"targets has shape {tuple(targets.shape)} but inputs has batch size "
+            f"{inputs.shape[0]}; pass one target per sample, batch on axis 0."
         )
     if not any(batch._batched(t) for t in tensors):
         shapes = [tuple(t.shape) for t in tensors]

@@ -89,7 +89,8 @@ def test_auto_picks_the_fastest_size_and_caches_it():
         return result, peak, sim.size * (1.0 + abs(sim.size - 32) / 64) * 1e-3
 
     sim.measure = timed_measure
-    scheduler = ChunkScheduler(chunk_size="auto", max_memory="300MiB", tracker=sim,
+    # 100 MiB fit 82 indices: 24 more passes in budget mode, enough to be worth tuning
+    scheduler = ChunkScheduler(chunk_size="auto", max_memory="100MiB", tracker=sim,
                                cache_key="toy")  # fmt: skip
     total, report = scheduler.run(2000, sim.run)
     assert total.item() == sum(range(2000))
@@ -162,14 +163,14 @@ class _SimulatedDevice(SimulatedMemory):
         original = GGNComputation.backward
         sim = self
 
-        def backward(run, start, stop, retain_graph=True):
+        def backward(run, start, stop):
             sim.size = stop - start
             if sim.limit is not None and sim.fixed + sim.per_index * sim.size > sim.limit:
                 raise RuntimeError(
                     "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
                     "allocate memory: you tried to allocate 123456789 bytes."
                 )
-            return original(run, start, stop, retain_graph)
+            return original(run, start, stop)
 
         monkeypatch.setattr(GGNComputation, "backward", backward)
         monkeypatch.setattr(ggnchunk._api, "PeakTracker", lambda device: sim)
@@ -238,25 +239,32 @@ def test_budget_too_small_raises_memory_budget_error(monkeypatch):
         ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="20MiB")
 
 
-def test_failure_of_the_last_pass_after_the_graph_was_freed_reruns_the_forward(monkeypatch):
-    """The last pass frees the graph as it goes; a retry needs a new, identical forward."""
+def test_a_failed_pass_adds_nothing_and_never_reruns_the_forward(monkeypatch):
+    """A pass that fails midway (out of memory) is retried in halves from the same graph.
+
+    The model draws a dropout mask; the forward must run exactly once (the user's random
+    state advances as for one forward pass), and the partial pass must leave no trace.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 6))
     x, y = torch.randn(4, 5), torch.randn(4, 6)
     torch.manual_seed(7)
     expected = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)  # dropout active: train mode
-    real_grad, failed = torch.autograd.grad, []
+    expected_state = torch.get_rng_state()
+    real_grad, calls, forwards = torch.autograd.grad, [], []
+    model.register_forward_hook(lambda *args: forwards.append(1))
 
     def grad(*args, **kwargs):
-        result = real_grad(*args, **kwargs)
-        if kwargs.get("retain_graph") is False and not failed:
-            failed.append(True)  # the graph is freed now; pretend the pass ran out
-            raise torch.OutOfMemoryError("simulated: out of memory at the end of a pass")
-        return result
+        calls.append(1)
+        if len(calls) == 3:  # midway through the first chunk's sweep
+            raise torch.OutOfMemoryError("simulated: out of memory in the middle of a pass")
+        return real_grad(*args, **kwargs)
 
     monkeypatch.setattr(torch.autograd, "grad", grad)
     torch.manual_seed(7)
     with pytest.warns(OutOfMemoryRecoveryWarning):
         actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
-    assert failed
+    assert len(calls) > 3 and len(forwards) == 1
+    assert torch.equal(torch.get_rng_state(), expected_state)
+    assert_diag_close(actual, expected, rtol=1e-5)
     assert_diag_close(actual, expected, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Layers BackPACK lacks, models it cannot follow: exact through the torch.func fallback."""
+"""Layers BackPACK lacks and models that are not chains: exact through the glue."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _build(name: str, seed: int = 0):
 
 @pytest.mark.parametrize("loss", ["mse-mean", "bce-sum", "ce-mean"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fallback_is_exact(name, loss):
+def test_dataflow_is_exact(name, loss):
     model, x = _build(name)
     with torch.no_grad():
         out = model(x)
@@ -111,12 +111,23 @@ def test_unet_hooks_only_the_whole_model_and_leaves_nothing_behind():
     torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
 
 
-def test_custom_chain_uses_backpack_layers_not_the_fallback(monkeypatch):
-    from ggnchunk._layers.fallback import AutogradJacobian
+@pytest.mark.parametrize("name", ["custom-chain", "unet-cat-skips", "residual-skip"])
+def test_layers_with_rules_need_no_per_sample_backward(monkeypatch, name):
+    """Every parameter of these models sits in a layer with a rule: no masked passes."""
+    from ggnchunk._graph import Recording
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the fallback ran for a model BackPACK can follow")
+    recordings, plan = [], Recording.plan
 
-    monkeypatch.setattr(AutogradJacobian, "__call__", forbidden)
-    model, x = _build("custom-chain")
-    ggnchunk.diag_ggn(model, nn.MSELoss(), x, x, num_chunks=2)
+    def spy(self, output):
+        plan(self, output)
+        recordings.append((self.shared, list(self._sources.values()), list(self.calls)))
+
+    monkeypatch.setattr(Recording, "plan", spy)
+    model, x = _build(name)
+    ggnchunk.diag_ggn(model, nn.MSELoss(), x, torch.zeros_like(model(x)), num_chunks=2)
+    ((shared, sources, calls),) = recordings
+    assert not shared
+    assert all(not source.params for source in sources)
+    assert {call.name for call in calls} == {
+        name for name, m in model.named_modules() if any(True for _ in m.parameters(False))
+    }
