@@ -8,6 +8,7 @@ and time against the number of backward passes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -116,8 +117,44 @@ def plot(folder: Path, groups: dict[str, list[dict]]) -> list[Path]:
     return paths
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments of ``python -m benchmarks.plot``.
+
+    Args:
+        argv: The arguments without the program name; ``sys.argv[1:]`` by default.
+
+    Returns:
+        The parsed arguments (``folder``).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plot",
+        description="Draw the benchmark results of one device folder: write table.md "
+        "(every problem x method: peak memory, time, ratios to BackPACK's one pass, "
+        "FLOP/s, error) and, with matplotlib, one <problem>.png per problem.",
+    )
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        type=Path,
+        default=Path("results/benchmarks/cpu"),
+        help="folder with environment.json and the per-configuration JSON files "
+        "written by `python -m benchmarks` (default: %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    folder = Path((argv or sys.argv[1:] or ["results/benchmarks/cpu"])[0])
+    """Write ``table.md`` (and the plots) for the folder named on the command line.
+
+    Args:
+        argv: The arguments without the program name; ``sys.argv[1:]`` by default.
+    """
+    folder = parse_args(argv).folder
+    if not (folder / "environment.json").is_file():
+        sys.exit(
+            f"error: {folder} has no environment.json; pass the folder that "
+            "`python -m benchmarks` wrote (e.g. results/benchmarks/cpu)."
+        )
     env, groups = load(folder)
     text = table(env, groups)
     (folder / "table.md").write_text(text)

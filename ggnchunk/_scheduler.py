@@ -41,47 +41,48 @@ def plan_chunks(
     chunk_size: int | None = None,
     what: str = "columns",
 ) -> Plan:
-    """Split ``[0, total)`` into contiguous chunks.
+    """Split ``[0, total)`` into contiguous, non-empty chunks.
+
+    Both options are clamped to ``total``, so that one setting works for problems of
+    every size: more chunks than indices means one index per chunk, and a chunk size
+    larger than ``total`` means one chunk.
 
     Args:
         total: Size of the index range, at least 1.
-        num_chunks: Number of chunks, ``1 <= num_chunks <= total``; sizes differ by at
-            most one (the first ``total % num_chunks`` chunks are one larger).
-        chunk_size: Largest chunk, ``1 <= chunk_size <= total``; only the last chunk may
-            be smaller. At most one of ``num_chunks`` and ``chunk_size`` may be given;
-            with neither, one chunk covers everything.
+        num_chunks: Number of chunks, at least 1; ``min(num_chunks, total)`` chunks are
+            made, whose sizes differ by at most one (the first ``total % num_chunks`` are
+            one larger).
+        chunk_size: Largest chunk, at least 1 (clamped to ``total``); only the last chunk
+            may be smaller. At most one of ``num_chunks`` and ``chunk_size`` may be
+            given; with neither, one chunk covers everything.
         what: What the indices count, for error messages.
 
     Returns:
-        ``[(start, stop), ...]`` covering ``[0, total)`` in order.
+        ``[(start, stop), ...]`` covering ``[0, total)`` in order, every chunk non-empty.
 
     Raises:
-        ValueError: If a value is out of range or both are given.
+        TypeError: If ``total``, ``num_chunks`` or ``chunk_size`` is not an int.
+        ValueError: If one of them is not positive, or both options are given.
 
     Example:
         >>> plan_chunks(10, num_chunks=3)
         [(0, 4), (4, 7), (7, 10)]
         >>> plan_chunks(10, chunk_size=4)
         [(0, 4), (4, 8), (8, 10)]
+        >>> plan_chunks(2, num_chunks=8)  # clamped: one index per chunk
+        [(0, 1), (1, 2)]
+        >>> plan_chunks(3, chunk_size=100)  # clamped: one chunk
+        [(0, 3)]
     """
+    total = check_positive_int(total, f"the number of {what} (total)")
     if num_chunks is not None and chunk_size is not None:
         raise ValueError("pass only one of num_chunks and chunk_size.")
     if num_chunks is not None:
-        num_chunks = check_positive_int(num_chunks, "num_chunks")
-        if num_chunks > total:
-            raise ValueError(
-                f"num_chunks={num_chunks} is larger than the {total} {what} there are to "
-                f"split; use num_chunks <= {total}."
-            )
+        num_chunks = min(check_positive_int(num_chunks, "num_chunks"), total)
         base, extra = divmod(total, num_chunks)
         sizes = [base + 1] * extra + [base] * (num_chunks - extra)
     elif chunk_size is not None:
-        chunk_size = check_positive_int(chunk_size, "chunk_size")
-        if chunk_size > total:
-            raise ValueError(
-                f"chunk_size={chunk_size} is larger than the {total} {what} there are; "
-                f"use chunk_size <= {total} (chunk_size={total} is one pass)."
-            )
+        chunk_size = min(check_positive_int(chunk_size, "chunk_size"), total)
         sizes = [chunk_size] * (total // chunk_size)
         if total % chunk_size:
             sizes.append(total % chunk_size)
@@ -98,6 +99,8 @@ def plan_chunks(
 
 _SAFETY = 0.92  # aim below the budget: the affine memory model is fitted on two points
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
+_MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
+_MIN_GAIN = 0.05  # a smaller trial size must be this much faster per index to be chosen
 
 
 class MemoryBudgetError(MemoryError):
@@ -199,7 +202,8 @@ class ChunkScheduler:
     ``None``, or returns a tensor (or list/tuple/dict of tensors) that the scheduler adds
     up. Three modes:
 
-    * **fixed** (``num_chunks`` or an int ``chunk_size``): the plan of :func:`plan_chunks`.
+    * **fixed** (``num_chunks`` or an int ``chunk_size``): the plan of :func:`plan_chunks`
+      (both clamped to ``total``).
     * **budget** (``max_memory``): the chunk size is chosen so that the peak memory above
       ``baseline`` stays within the budget. The memory of a chunk of size ``s`` is modelled
       as ``fixed + per_index * s``; the first chunk (one index) and a second chunk sized
@@ -207,9 +211,15 @@ class ChunkScheduler:
       measured too, shrinking the size if one overshoots. If one index does not fit, a
       :class:`MemoryBudgetError` says how much it needs.
     * **auto** (``chunk_size="auto"``): within the budget (``max_memory``, or else 90% of
-      the free device memory), a few chunk sizes are timed on real chunks (nothing is
-      computed twice) and the fastest per index is used for the rest. The decision is
-      cached under ``cache_key`` for later calls, as cuDNN's benchmark mode does.
+      the free device memory), the budget's chunk size and smaller ones are timed on real
+      chunks (nothing is computed twice) and the fastest per index is used for the rest.
+      Problems that budget mode runs in fewer than 20 passes are not tuned (a trial would
+      cost more than it can save), so auto mode is never much slower than budget mode.
+      The decision is cached under ``cache_key`` for later calls, as cuDNN's benchmark
+      mode does.
+
+    Every mode works for every ``total >= 1``: ``fn`` is only called with
+    ``0 <= start < stop <= total``, and every index is covered exactly once, in order.
 
     In every mode a chunk that runs out of memory is split in halves and retried (chunks
     already done are kept); a single index that runs out of memory raises. ``fn`` must
@@ -221,7 +231,8 @@ class ChunkScheduler:
         max_memory: Budget for the peak memory above ``baseline``: bytes or a string such
             as ``"2GiB"``.
         device: Device whose memory is budgeted and measured.
-        recover_oom: Split chunks that run out of memory instead of raising.
+        recover_oom: Split chunks that run out of memory instead of raising; ``True``
+            or ``False``.
         cache_key: Hashable key under which budget/auto decisions are remembered.
         what: What the indices count, for messages.
         tracker: What measures memory: an object with ``current() -> bytes`` and
@@ -263,11 +274,17 @@ class ChunkScheduler:
         tracker: Any = None,
     ):
         check_chunking(num_chunks, chunk_size, max_memory)
+        if not isinstance(recover_oom, bool):
+            raise TypeError(
+                f"recover_oom must be a bool, got {type(recover_oom).__name__} "
+                f"{recover_oom!r}; pass True (split chunks that run out of memory) or "
+                "False (let the out-of-memory error through)."
+            )
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
         self.budget = None if max_memory is None else parse_memory(max_memory)
         self.device = torch.device(device)
-        self.recover_oom = bool(recover_oom)
+        self.recover_oom = recover_oom
         self.cache_key = cache_key
         self.what = what
         self.tracker = tracker
@@ -297,6 +314,8 @@ class ChunkScheduler:
 
         Raises:
             MemoryBudgetError: If one index does not fit the budget.
+            TypeError: If ``total`` is not an int.
+            ValueError: If ``total`` is not positive.
         """
         total = check_positive_int(total, "total")
         tracker = None
@@ -468,8 +487,8 @@ class _Run:
             decision, start = self._probe(budget)
             size = self._fit_size(decision, budget)
             if self.s.mode == "auto":
-                start, size, _ = self._tune(start, size)
-                grow, decision.tuned = False, True  # the fastest measured size, kept
+                start, size, grow = self._tune(start, size)
+                decision.tuned = not grow  # a smaller size was faster: keep it
         else:
             self.report.from_cache = True
             size = decision.chunk_size or self._fit_size(decision, budget)
@@ -509,7 +528,13 @@ class _Run:
 
         The first chunk of a call can pay one-time costs (kernels set up and workspaces
         allocated on first use); a second one-index chunk shows the steady state, and the
-        smaller of the two peaks is the cost of one index.
+        smaller of the two peaks is the cost of one index. The second one-index chunk is
+        run only if at least three indices exist, the larger chunk (at least two indices)
+        only from what is left: with ``total`` of 1 to 3 the probe covers the range
+        exactly and never asks for indices past its end.
+
+        Returns:
+            The fitted decision and the first index not yet computed.
         """
         before = max(0, self.tracker.current() - self.baseline)
         rss_before = self.tracker.current()
@@ -534,50 +559,52 @@ class _Run:
                 "(e.g. batch_chunk_size for fewer samples per forward pass)."
             )
         upper = max(one - before, 1)  # per index, conservatively
-        if start >= self.total:
+        remaining = self.total - start
+        if remaining <= 0:
             return _Decision(before, upper), start
         size = int(0.5 * (_SAFETY * budget - before) // upper)
-        size = max(2, min(size, self.total - start))
+        size = min(max(2, size), remaining)  # at least 2 for a slope, if there are 2
         records = self.run_range(start, start + size)
         largest = max(records, key=lambda r: r.stop - r.start)
         size = largest.stop - largest.start
         slope = (largest.peak_extra_bytes - one) / max(size - 1, 1)
-        if slope <= 0:  # no growth measurable: use the conservative bound
+        if size < 2 or slope <= 0:  # no growth measurable: use the conservative bound
             slope = max((largest.peak_extra_bytes - before) / size, 1.0)
         fixed = max(before, one - slope)
         return _Decision(fixed, slope), records[-1].stop
 
     def _tune(self, start: int, size_max: int) -> tuple[int, int, bool]:
-        """Time real chunks of increasing size; return (next start, fastest size, grow).
+        """Time real chunks of decreasing size; return (next start, chosen size, grow).
 
-        ``grow`` is true when the fastest size was the largest tried: larger ones (up to
-        the budget) may be faster still.
+        Small problems are not tuned: trying a smaller size costs at least one pass more
+        than budget mode would run, which is more than 5% of the time when budget mode
+        needs fewer than ``_MIN_TUNE_PASSES`` (20) passes for the rest of the range (this
+        includes every range that fits in one chunk). Auto mode then continues exactly
+        as budget mode does (``grow`` is true).
 
-        Sizes double from about ``total / 256`` up to the largest that fits the budget,
-        while the trials stay within a share of the range; the search stops once two
-        sizes in a row were slower per index than the best (time per index is U-shaped:
-        fixed costs per pass on the left, memory traffic on the right).
+        Otherwise the budget's size ``size_max`` is timed first (the chunk budget mode
+        would run, so this trial costs nothing extra), then half of it, a quarter, ...
+        as long as each halving is at least 5% faster per index (time per index is
+        U-shaped in the chunk size: fixed costs per pass on the left, memory traffic on
+        the right) and the trials stay within ``_TRIAL_SHARE`` of the range. Every trial
+        is real work, and the choice is cached by the caller. ``grow`` is true when
+        ``size_max`` stayed the fastest: larger sizes (up to the budget) may be faster
+        still.
         """
-        allowance = int(_TRIAL_SHARE * (self.total - start))
-        size = max(1, min(size_max, self.total // 256))
-        candidates: list[int] = []
-        while size <= size_max and sum(candidates) + size <= allowance:
-            candidates.append(size)
-            size *= 2
-        if not candidates:
+        remaining = self.total - start
+        if remaining < _MIN_TUNE_PASSES * size_max:
             return start, size_max, True
-        best, best_rate, worse = size_max, float("inf"), 0
-        for size in candidates:
-            if start >= self.total:
-                break
+        allowance = int(_TRIAL_SHARE * remaining)
+        best, best_rate, size, used = size_max, float("inf"), size_max, 0
+        while size >= 1 and used + size <= allowance and start < self.total:
             records = self.run_range(start, min(self.total, start + size))
             start = records[-1].stop
+            used += size
             columns = sum(r.stop - r.start for r in records)
             rate = sum(r.seconds for r in records) / columns
-            if rate < best_rate:
-                best, best_rate, worse = max(r.stop - r.start for r in records), rate, 0
-            else:
-                worse += 1
-                if worse >= 2:  # past the sweet spot
-                    break
-        return start, best, best >= candidates[-1]
+            done = max(r.stop - r.start for r in records)
+            if rate >= (1.0 - _MIN_GAIN) * best_rate:
+                break  # past the sweet spot, or too little gain for more passes
+            best, best_rate = done, rate
+            size = done // 2
+        return start, best, best >= size_max

@@ -306,20 +306,27 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
                 f"CrossEntropyLoss needs model outputs of shape [N, C, ...]; got "
                 f"{tuple(output.shape)}. Add a batch axis."
             )
+        index_shape = (output.shape[0], *output.shape[2:])
         if target.is_floating_point():
+            if tuple(target.shape) == index_shape:
+                raise ValueError(
+                    f"targets have dtype {target.dtype} and shape {tuple(target.shape)}, "
+                    f"the shape of class indices for model outputs of shape "
+                    f"{tuple(output.shape)}: they look like class indices stored as "
+                    "floats. Convert them with targets.long() (floating-point targets "
+                    "must be class probabilities of the output's shape)."
+                )
             if target.shape != output.shape:
                 raise ValueError(
                     f"targets are class probabilities of shape {tuple(target.shape)} but "
                     f"the model output has shape {tuple(output.shape)}; they must be equal."
                 )
-        else:
-            expected = (output.shape[0], *output.shape[2:])
-            if tuple(target.shape) != expected:
-                raise ValueError(
-                    f"targets are class indices of shape {tuple(target.shape)}; for model "
-                    f"outputs of shape {tuple(output.shape)} CrossEntropyLoss needs "
-                    f"{expected} (the class axis is axis 1 of the output)."
-                )
+        elif tuple(target.shape) != index_shape:
+            raise ValueError(
+                f"targets are class indices of shape {tuple(target.shape)}; for model "
+                f"outputs of shape {tuple(output.shape)} CrossEntropyLoss needs "
+                f"{index_shape} (the class axis is axis 1 of the output)."
+            )
 
     def normalizer(self, loss_func, target) -> Tensor:
         if target.is_floating_point():  # probabilities [N, C, ...]: one per position

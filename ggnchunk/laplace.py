@@ -52,6 +52,9 @@ class ChunkedGGN(GGNInterface):
         num_samples: Ignored (Monte-Carlo samples of stochastic backends).
         **chunking: Options of :func:`ggnchunk.diag_ggn`: ``max_memory``,
             ``num_chunks``, ``chunk_size``, ``batch_chunk_size``, ``recover_oom``.
+
+    Only ``hessian_structure="diag"`` is supported: :meth:`kron` and :meth:`full` raise a
+    ``NotImplementedError`` that names laplace-torch's backends for those structures.
     """
 
     _OPTIONS = ("max_memory", "num_chunks", "chunk_size", "batch_chunk_size", "recover_oom")
@@ -121,3 +124,37 @@ class ChunkedGGN(GGNInterface):
         if self.subnetwork_indices is not None:
             flat = flat[self.subnetwork_indices]
         return self.factor * loss, self.factor * flat
+
+    def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+        """Not available: ChunkedGGN computes the GGN diagonal only.
+
+        Raises:
+            NotImplementedError: Always, saying which backend to use for ``"kron"``.
+        """
+        raise NotImplementedError(_only_diag("kron"))
+
+    def full(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Not available: ChunkedGGN computes the GGN diagonal only.
+
+        Raises:
+            NotImplementedError: Always, saying which backend to use for ``"full"``.
+        """
+        raise NotImplementedError(_only_diag("full"))
+
+
+def _only_diag(structure: str) -> str:
+    """The message for a Hessian structure other than ``"diag"``.
+
+    Args:
+        structure: laplace-torch's ``hessian_structure`` (``"kron"`` or ``"full"``).
+
+    Returns:
+        What ChunkedGGN computes and what to use instead.
+    """
+    return (
+        'ChunkedGGN computes the exact GGN diagonal (hessian_structure="diag") only; '
+        f'hessian_structure="{structure}" is not available. Use hessian_structure="diag" '
+        "with ChunkedGGN, or laplace-torch's BackPackGGN or CurvlinopsGGN backend for "
+        f'"{structure}" (e.g. Laplace(..., hessian_structure="{structure}", '
+        "backend=CurvlinopsGGN))."
+    )

@@ -81,3 +81,16 @@ def test_backend_arguments_are_checked():
         ChunkedGGN(_model(3), "regression", chunks=3)
     with pytest.raises(ValueError, match="stochastic=True"):
         ChunkedGGN(_model(3), "regression", stochastic=True)
+
+
+@pytest.mark.parametrize("structure", ["kron", "full"])
+def test_kron_and_full_say_that_only_diag_is_computed(structure):
+    loader = _data("regression", 3)
+    la = Laplace(_model(3), "regression", subset_of_weights="all",
+                 hessian_structure=structure, backend=ChunkedGGN)  # fmt: skip
+    with pytest.raises(NotImplementedError) as raised:
+        la.fit(loader)
+    message = str(raised.value)
+    assert 'hessian_structure="diag"' in message
+    assert f'hessian_structure="{structure}" is not available' in message
+    assert "BackPackGGN" in message and "CurvlinopsGGN" in message

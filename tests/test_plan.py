@@ -30,3 +30,81 @@ def test_every_chunk_size_partitions(total):
 
 def test_default_is_one_chunk():
     assert plan_chunks(5) == [(0, 5)]
+
+
+# -- every small total, every option up to total + 3 (clamped) ---------------------------
+
+SMALL_TOTALS = range(1, 41)
+
+
+def _assert_partition(plan, total, label):
+    """Contiguous, in order, no empty chunk, every index of [0, total) exactly once."""
+    assert plan, f"{label}: empty plan"
+    assert all(isinstance(a, int) and isinstance(b, int) for a, b in plan), label
+    assert all(a < b for a, b in plan), f"{label}: empty chunk in {plan}"
+    assert plan[0][0] == 0 and plan[-1][1] == total, f"{label}: {plan}"
+    assert all(plan[i][1] == plan[i + 1][0] for i in range(len(plan) - 1)), label
+    counts = [0] * total
+    for a, b in plan:
+        for index in range(a, b):
+            counts[index] += 1
+    assert counts == [1] * total, f"{label}: {plan}"
+
+
+@pytest.mark.parametrize("total", SMALL_TOTALS, ids=lambda t: f"total={t}")
+def test_num_chunks_up_to_total_plus_3(total):
+    for k in range(1, total + 4):
+        label = f"plan_chunks({total}, num_chunks={k})"
+        plan = plan_chunks(total, num_chunks=k)
+        _assert_partition(plan, total, label)
+        expected_count = k if k <= total else total  # clamped: one index per chunk
+        assert len(plan) == expected_count, label
+        sizes = [b - a for a, b in plan]
+        assert sorted(sizes, reverse=True) == sizes, label  # larger chunks first
+        assert set(sizes) <= {total // expected_count, -(-total // expected_count)}, label
+
+
+@pytest.mark.parametrize("total", SMALL_TOTALS, ids=lambda t: f"total={t}")
+def test_chunk_size_up_to_total_plus_3(total):
+    for k in range(1, total + 4):
+        label = f"plan_chunks({total}, chunk_size={k})"
+        plan = plan_chunks(total, chunk_size=k)
+        _assert_partition(plan, total, label)
+        if k >= total:  # clamped: one chunk
+            assert plan == [(0, total)], label
+            continue
+        full, rest = divmod(total, k)
+        expected = [(i * k, (i + 1) * k) for i in range(full)]
+        if rest:
+            expected.append((full * k, total))
+        assert plan == expected, label
+
+
+def test_clamping_examples():
+    assert plan_chunks(1, num_chunks=2) == [(0, 1)]
+    assert plan_chunks(3, num_chunks=8) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_chunks(2, chunk_size=5) == [(0, 2)]
+    assert plan_chunks(3, chunk_size=3) == [(0, 3)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [({"num_chunks": 0}, ValueError, "num_chunks must be a positive int, got 0"),
+     ({"num_chunks": -2}, ValueError, "num_chunks must be a positive int"),
+     ({"num_chunks": 2.0}, TypeError, "num_chunks must be a positive int"),
+     ({"num_chunks": True}, TypeError, "num_chunks must be a positive int"),
+     ({"chunk_size": 0}, ValueError, "chunk_size must be a positive int, got 0"),
+     ({"chunk_size": "3"}, TypeError, "chunk_size must be a positive int"),
+     ({"num_chunks": 2, "chunk_size": 2}, ValueError, "only one of")],
+    ids=["num_chunks=0", "num_chunks=-2", "num_chunks=2.0", "num_chunks=True",
+         "chunk_size=0", "chunk_size='3'", "both"],
+)  # fmt: skip
+def test_bad_options_still_raise(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        plan_chunks(5, **kwargs)
+
+
+@pytest.mark.parametrize("total", [0, -1, 2.5])
+def test_bad_total_raises(total):
+    with pytest.raises((ValueError, TypeError), match="total"):
+        plan_chunks(total, num_chunks=2)

@@ -1,0 +1,44 @@
+"""Loss/target checks whose messages say the fix: cross-entropy with float class indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk._sqrt_hessians import lookup_loss
+
+FLOAT_INDICES = r"look like class indices stored as floats.*targets\.long\(\)"
+
+
+@pytest.mark.parametrize(
+    ("output_shape", "target_shape"),
+    [((3, 4), (3,)), ((2, 5, 7), (2, 7)), ((2, 3, 4, 4), (2, 4, 4))],
+    ids=["[N,C]", "[N,C,L]", "[N,C,H,W]"],
+)
+def test_cross_entropy_float_class_indices_are_refused(output_shape, target_shape):
+    loss_func = nn.CrossEntropyLoss()
+    output = torch.randn(output_shape)
+    indices = torch.randint(0, output_shape[1], target_shape)
+    handler = lookup_loss(loss_func)
+    handler.check_shapes(loss_func, output, indices)  # long indices: fine
+    with pytest.raises(ValueError, match=FLOAT_INDICES):
+        handler.check_shapes(loss_func, output, indices.float())
+
+
+def test_cross_entropy_probabilities_still_accepted_and_checked():
+    loss_func = nn.CrossEntropyLoss()
+    handler = lookup_loss(loss_func)
+    output = torch.randn(3, 4)
+    handler.check_shapes(loss_func, output, torch.softmax(torch.randn(3, 4), dim=1))
+    with pytest.raises(ValueError, match="class probabilities of shape"):
+        handler.check_shapes(loss_func, output, torch.rand(3, 5))
+
+
+def test_diag_ggn_names_float_class_indices():
+    torch.manual_seed(0)
+    X, y_float = torch.randn(3, 3), torch.tensor([0.0, 2.0, 1.0])
+    loss_func = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(ValueError, match=FLOAT_INDICES):
+        ggnchunk.diag_ggn(nn.Linear(3, 4), loss_func, X, y_float)

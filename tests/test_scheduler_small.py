@@ -1,0 +1,264 @@
+"""Every scheduler mode on every small range: each index exactly once, never out of range.
+
+A simulated computation (memory, time and out-of-memory errors are all simulated, so
+the tests are deterministic and fast) runs through :class:`ChunkScheduler` in fixed,
+budget and auto mode for every ``total`` from 1 to 20. Its function checks its range as
+a user's indexing would and returns a count vector, so that the scheduler's sum must be
+exactly one at every index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk import ChunkScheduler, OutOfMemoryRecoveryWarning, _scheduler
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+TOTALS = range(1, 21)
+
+
+def _per_chunk(size: int) -> float:
+    """Seconds of a chunk: a fixed cost per pass, so larger chunks are faster per index."""
+    return 1e-3
+
+
+def _u_shaped(size: int) -> float:
+    """Seconds of a chunk: per index lowest at 3 indices per chunk."""
+    return size * (1.0 + abs(size - 3) / 4) * 1e-3
+
+
+class Simulated:
+    """A user's function over ``[0, total)`` and the memory tracker that measures it.
+
+    A chunk of ``s`` indices peaks at ``fixed + per_index * s`` bytes above the baseline
+    and takes ``seconds(s)``; a chunk of more than ``oom_above`` indices raises
+    ``torch.OutOfMemoryError``.
+    """
+
+    def __init__(self, total, fixed=10 * MiB, per_index=MiB, oom_above=None,
+                 seconds=_per_chunk):  # fmt: skip
+        self.total, self.fixed, self.per_index = total, fixed, per_index
+        self.oom_above, self.seconds = oom_above, seconds
+        self.calls: list[tuple[int, int]] = []  # completed chunks, in order
+        self.failed: list[tuple[int, int]] = []  # chunks that ran out of memory
+
+    # the tracker
+    def current(self) -> int:
+        return 0
+
+    def measure(self, fn):
+        result = fn()
+        size = self.calls[-1][1] - self.calls[-1][0]
+        return result, self.fixed + self.per_index * size, self.seconds(size)
+
+    # the user's function
+    def fn(self, start: int, stop: int) -> torch.Tensor:
+        if not (0 <= start < stop <= self.total):
+            raise IndexError(f"fn({start}, {stop}) for a range of {self.total} indices")
+        if self.oom_above is not None and stop - start > self.oom_above:
+            self.failed.append((start, stop))
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        self.calls.append((start, stop))
+        counts = torch.zeros(self.total, dtype=torch.int64)
+        counts[start:stop] = 1
+        return counts
+
+
+def _check_exactly_once(sim: Simulated, result, report, label: str) -> None:
+    total = sim.total
+    assert result is not None, label
+    assert torch.equal(result, torch.ones(total, dtype=torch.int64)), (
+        f"{label}: index counts {result.tolist()}, calls {sim.calls}"
+    )
+    calls = sim.calls
+    assert calls[0][0] == 0 and calls[-1][1] == total, f"{label}: {calls}"
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(calls)), f"{label}: {calls}"
+    assert all(a < b for a, b in calls), f"{label}: empty chunk in {calls}"
+    assert [(c.start, c.stop) for c in report.chunks] == calls, label
+    assert report.total == total, label
+
+
+def _run(total, sim_kwargs=None, **scheduler_kwargs):
+    sim = Simulated(total, **(sim_kwargs or {}))
+    scheduler = ChunkScheduler(tracker=sim, **scheduler_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, report = scheduler.run(total, sim.fn)
+    recovered = [w for w in caught if issubclass(w.category, OutOfMemoryRecoveryWarning)]
+    label = f"total={total}, {scheduler_kwargs}, {sim_kwargs}"
+    _check_exactly_once(sim, result, report, label)
+    return sim, report, recovered, label
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    ggnchunk.clear_autotune_cache()
+    yield
+    ggnchunk.clear_autotune_cache()
+
+
+# -- fixed mode ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_fixed_mode_every_option(total):
+    for k in range(1, total + 4):
+        sim, _, _, label = _run(total, num_chunks=k)
+        assert len(sim.calls) == min(k, total), label
+        sim, _, _, label = _run(total, chunk_size=k)
+        assert len(sim.calls) == -(-total // min(k, total)), label
+
+
+# -- budget and auto mode -----------------------------------------------------------------
+
+# (fixed bytes, bytes per index, budget): memory that does not grow with the chunk (as
+# glibc's reuse can make it look), that grows slowly, fast, and a budget that one index
+# only just fits
+COSTS = {
+    "flat": (10 * MiB, 0, 64 * MiB),
+    "1KiB-per-index": (10 * MiB, 2**10, 64 * MiB),
+    "1MiB-per-index": (10 * MiB, MiB, 16 * MiB),
+    "8MiB-per-index": (2 * MiB, 8 * MiB, 64 * MiB),
+    "one-index-just-fits": (10 * MiB, 8 * MiB, 20 * MiB),
+}
+
+
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("mode", ["budget", "auto"])
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_budget_and_auto_modes_cover_every_index_once(total, mode, cost):
+    fixed, per_index, budget = COSTS[cost]
+    kwargs = {"max_memory": budget} | ({"chunk_size": "auto"} if mode == "auto" else {})
+    _, report, recovered, label = _run(
+        total, {"fixed": fixed, "per_index": per_index}, **kwargs
+    )
+    assert report.mode == mode and not recovered, label
+    assert report.chunk_size >= 1, label
+
+
+@pytest.mark.parametrize("seconds", [_per_chunk, _u_shaped], ids=["per-chunk", "u-shaped"])
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_auto_mode_without_a_budget(total, seconds):
+    _, report, _, label = _run(total, {"seconds": seconds}, chunk_size="auto")
+    assert report.mode == "auto", label
+
+
+@pytest.mark.parametrize("cost", ["1MiB-per-index", "8MiB-per-index"])
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_auto_mode_tuning_forced_on_small_ranges(monkeypatch, total, cost):
+    """The trial loop itself stays in range, also where it is normally skipped."""
+    monkeypatch.setattr(_scheduler, "_MIN_TUNE_PASSES", 0)
+    fixed, per_index, budget = COSTS[cost]
+    sim_kwargs = {"fixed": fixed, "per_index": per_index, "seconds": _u_shaped}
+    _run(total, sim_kwargs, chunk_size="auto", max_memory=budget)
+
+
+@pytest.mark.parametrize("mode", ["budget", "auto"])
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_cached_decisions_cover_every_index_once(total, mode):
+    kwargs = {"max_memory": 16 * MiB, "cache_key": "small"}
+    if mode == "auto":
+        kwargs["chunk_size"] = "auto"
+    _, first, _, _ = _run(total, **kwargs)
+    _, again, _, label = _run(total, **kwargs)
+    assert not first.from_cache and again.from_cache, label
+
+
+# -- out of memory ------------------------------------------------------------------------
+
+MODES = {
+    "fixed-one-chunk": {"num_chunks": 1},
+    "fixed-chunk_size-4": {"chunk_size": 4},
+    "budget": {"max_memory": "1GiB"},
+    "auto": {"max_memory": "1GiB", "chunk_size": "auto"},
+}
+
+
+@pytest.mark.parametrize("oom_above", [1, 2, 3], ids=lambda m: f"oom-above-{m}")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("total", TOTALS, ids=lambda t: f"total={t}")
+def test_out_of_memory_splits_still_cover_every_index_once(total, mode, oom_above):
+    sim, report, recovered, label = _run(total, {"oom_above": oom_above}, **MODES[mode])
+    assert all(b - a <= oom_above for a, b in sim.calls), f"{label}: {sim.calls}"
+    assert report.out_of_memory_splits == len(sim.failed), label
+    assert len(recovered) == (1 if sim.failed else 0), label
+    assert all(0 <= a < b <= total for a, b in sim.failed), f"{label}: {sim.failed}"
+
+
+# -- auto mode is never much slower than budget mode --------------------------------------
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 10, 100, 784, 3072], ids=lambda t: f"total={t}")
+@pytest.mark.parametrize("budget_mib", [12, 20, 100], ids=lambda b: f"budget={b}MiB")
+def test_auto_runs_as_budget_mode_where_tuning_cannot_pay(total, budget_mib):
+    """Fewer than 20 budget passes: the same chunks, no trial passes."""
+    sim_kwargs = {"per_index": MiB // 8, "seconds": lambda s: 1e-3 + 1e-5 * s}
+    budget_sim, budget, _, _ = _run(total, sim_kwargs, max_memory=budget_mib * MiB)
+    passes = len(budget_sim.calls)
+    auto_sim, auto, _, label = _run(
+        total, sim_kwargs, max_memory=budget_mib * MiB, chunk_size="auto"
+    )
+    if passes - 3 < 20:  # after the three probe passes
+        assert auto_sim.calls == budget_sim.calls, label
+    # never more than one extra pass, so at most 5% slower once there are 20 passes
+    assert len(auto_sim.calls) <= passes + 1, label
+    auto_seconds = sum(sim_kwargs["seconds"](b - a) for a, b in auto_sim.calls)
+    budget_seconds = sum(sim_kwargs["seconds"](b - a) for a, b in budget_sim.calls)
+    assert auto_seconds <= 1.05 * budget_seconds, label
+    assert auto.chunk_size == budget.chunk_size or passes - 3 >= 20, label
+
+
+# -- recover_oom must be a bool -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "False"], ids=repr)
+def test_recover_oom_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=r"recover_oom must be a bool.*pass True .* False"):
+        ChunkScheduler(recover_oom=value)
+
+
+def test_recover_oom_is_checked_by_diag_ggn_before_any_work():
+    model = nn.Linear(3, 2)
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(TypeError, match="recover_oom"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), torch.randn(4, 3), torch.randn(4, 2),
+                          recover_oom="yes")  # fmt: skip
+    assert not calls  # no forward pass
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_recover_oom_accepts_bools(value):
+    assert ChunkScheduler(recover_oom=value).recover_oom is value
+
+
+# -- python -m benchmarks.plot ------------------------------------------------------------
+
+
+def test_benchmarks_plot_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plot", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks.plot")
+    assert "folder" in done.stdout and "table.md" in done.stdout
+
+
+def test_benchmarks_plot_names_a_folder_without_results(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plot", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "has no environment.json" in done.stderr and "Traceback" not in done.stderr
