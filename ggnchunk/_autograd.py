@@ -26,6 +26,7 @@ __all__ = [
     "Node",
     "accumulated_variable",
     "batched_grad",
+    "blocked",
     "edge_key",
     "edge_of",
     "plain_grad",
@@ -145,6 +146,32 @@ def plain_grad(
             retain_graph=True,
             allow_unused=True,
         )
+
+
+@contextlib.contextmanager
+def blocked(edges: Sequence[GradientEdge]) -> Iterator[None]:
+    """Let no gradient through the nodes of ``edges`` (they backpropagate zeros).
+
+    Used when the gradient w.r.t. a parameter must count only the glue's paths, not the
+    paths through layers whose rules account for themselves.
+
+    Args:
+        edges: Edges whose nodes are blocked while the context is open.
+
+    Yields:
+        Nothing.
+    """
+
+    def zero(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        return tuple(None if g is None else torch.zeros_like(g) for g in grads)
+
+    nodes = {id(edge.node): edge.node for edge in edges}
+    handles = [node.register_prehook(zero) for node in nodes.values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def message_is_inplace_error(error: BaseException) -> bool:

@@ -39,6 +39,7 @@ from ggnchunk._autograd import (
     GradientEdge,
     accumulated_variable,
     batched_grad,
+    blocked,
     edge_key,
     edge_of,
     plain_grad,
@@ -374,7 +375,8 @@ class Recording:
                 masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
                 for sample in range(n):
                     masked[:, sample] = grads[:, sample]
-                    results = batched_grad([source.target], params, [masked])
+                    with blocked(source.frontier):
+                        results = batched_grad([source.target], params, [masked])
                     masked[:, sample] = 0
                     for i, value in zip(source.params, results, strict=True):
                         if value is None:
@@ -446,15 +448,17 @@ class Recording:
             if source.direct:
                 add(outs, key, value)
                 return
-            targets = [*source.frontier, *(self._params[i] for i in source.params)]
-            if not targets:
-                return
-            results = plain_grad([source.target], targets, [value])
-            for edge, result in zip(source.frontier, results, strict=False):
-                if result is not None:
-                    add(outs, edge_key(edge), result)
-            for i, result in zip(source.params, results[len(source.frontier) :], strict=True):
-                add_param(i, result)
+            if source.frontier:
+                results = plain_grad([source.target], source.frontier, [value])
+                for edge, result in zip(source.frontier, results, strict=True):
+                    if result is not None:
+                        add(outs, edge_key(edge), result)
+            if source.params:
+                params = [self._params[i] for i in source.params]
+                with blocked(source.frontier):
+                    results = plain_grad([source.target], params, [value])
+                for i, result in zip(source.params, results, strict=True):
+                    add_param(i, result)
 
         push(self.output_key, seed)
         for call in reversed(self.calls):
