@@ -4,40 +4,170 @@
 trainable parameters (``torch.func.jacrev`` of a one-sample ``functional_call``) and
 ``H_n`` the Hessian of the whole batch's loss w.r.t. sample ``n``'s output
 (``torch.func.hessian``), so the loss's reduction enters exactly as torch defines it.
+
+Inputs are a Tensor (``model(x)``), a tuple/list (``model(*inputs)``) or a dict
+(``model(**inputs)``). A tensor entry whose axis 0 is the batch (as long as ``targets``'s
+axis 0) is per-sample: sample ``n`` gets its slice ``[n:n+1]``; any other entry is passed
+unchanged to every sample.
+
+Randomness in forward. The reference never draws: a model that draws (noise, train-mode
+dropout) must do so in *replayable* modules, which have two attributes,
+
+- ``draw``: the last forward's draw, batch on axis 0 (recorded by the module itself), and
+- ``replay``: ``None`` (draw as usual) or a tensor to use instead of drawing,
+
+and the caller passes ``draws=recorded_draws(model)`` read right after the call under test.
+Each sample's Jacobian is then that of the function with the sample's slice of the draws,
+which is what the forward pass of the call computed. A model that would draw from torch's
+RNG outside such modules (``nn.Dropout`` in training mode) is refused.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
+Inputs = Tensor | tuple | list | dict
 
-def _double(tensor: Tensor) -> Tensor:
-    return tensor.double() if tensor.is_floating_point() else tensor
+
+def _double(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().double() if value.is_floating_point() else value.detach()
+    return value
+
+
+def _is_per_sample(value: Any, batch: int) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch
+
+
+def split_inputs(inputs: Inputs, batch: int) -> Callable[[slice], tuple[tuple, dict]]:
+    """``select(rows) -> (args, kwargs)`` for ``model(*args, **kwargs)`` on those rows.
+
+    Per-sample tensors (batch on axis 0) are sliced, everything else is passed unchanged.
+    """
+
+    def pick(value: Any, rows: slice) -> Any:
+        return value[rows] if _is_per_sample(value, batch) else value
+
+    if isinstance(inputs, Tensor):
+        return lambda rows: ((inputs[rows],), {})
+    if isinstance(inputs, (tuple, list)):
+        return lambda rows: (tuple(pick(v, rows) for v in inputs), {})
+    if isinstance(inputs, dict):
+        return lambda rows: ((), {k: pick(v, rows) for k, v in inputs.items()})
+    raise TypeError(f"inputs must be a Tensor, tuple, list or dict, got {type(inputs)}")
+
+
+def _to_double(inputs: Inputs) -> Inputs:
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_double(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: _double(v) for k, v in inputs.items()}
+    return _double(inputs)
+
+
+def is_replayable(module: nn.Module) -> bool:
+    """Whether ``module`` follows the replay protocol (``draw`` and ``replay``)."""
+    return hasattr(module, "replay") and hasattr(module, "draw")
+
+
+def recorded_draws(model: nn.Module) -> dict[str, Tensor]:
+    """Every replayable module's draw of the last forward pass, keyed by module name."""
+    draws = {}
+    for name, module in model.named_modules():
+        if is_replayable(module):
+            if module.draw is None:
+                raise ValueError(f"module {name!r} has not drawn yet: run a forward first")
+            draws[name] = module.draw.detach().clone()
+    return draws
+
+
+def _check_randomness(model: nn.Module, draws: Mapping[str, Tensor] | None) -> None:
+    names = {name for name, module in model.named_modules() if is_replayable(module)}
+    if names and draws is None:
+        raise ValueError(
+            f"the model draws randomness in {sorted(names)}; pass "
+            "draws=recorded_draws(model) read right after the forward under test"
+        )
+    if draws is not None and set(draws) != names:
+        raise ValueError(
+            f"draws for {sorted(draws)} but replayable modules {sorted(names)}"
+        )
+    for name, module in model.named_modules():
+        dropout = isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+        if dropout and module.training and not is_replayable(module):
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) draws in training mode but is "
+                "not replayable: the reference cannot reproduce its draws"
+            )
+
+
+class _Sampled:
+    """The float64 copy of a model as functions of (parameters, rows of the batch)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Inputs,
+        batch: int,
+        draws: Mapping[str, Tensor] | None,
+    ):
+        _check_randomness(model, draws)
+        self.model = copy.deepcopy(model).double()
+        self.select = split_inputs(_to_double(inputs), batch)
+        self.draws = {k: _double(v) for k, v in (draws or {}).items()}
+        for name, draw in self.draws.items():
+            if draw.shape[0] != batch:
+                raise ValueError(
+                    f"draw of {name!r} has shape {tuple(draw.shape)}, batch {batch}"
+                )
+        named = list(self.model.named_parameters())
+        self.params = {n: p.detach() for n, p in named if p.requires_grad}
+        frozen = {n: p.detach() for n, p in named if not p.requires_grad}
+        self.state = {**frozen, **dict(self.model.named_buffers())}
+
+    def __call__(self, params: dict[str, Tensor], rows: slice) -> Tensor:
+        for name, draw in self.draws.items():
+            self.model.get_submodule(name).replay = draw[rows]
+        args, kwargs = self.select(rows)
+        return functional_call(self.model, {**params, **self.state}, args, kwargs)
 
 
 def reference_diag_ggn(
-    model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Inputs,
+    targets: Tensor,
+    draws: Mapping[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """Float64 GGN diagonal, keyed by parameter name (trainable parameters only)."""
-    model = copy.deepcopy(model).double()
+    """Float64 GGN diagonal, keyed by parameter name (trainable parameters only).
+
+    Args:
+        model: The model (left unchanged: the reference works on a float64 copy).
+        loss_func: The loss module.
+        inputs: Tensor, tuple/list or dict of model inputs (see the module docstring).
+        targets: Targets, batch on axis 0 (which defines the batch size).
+        draws: For models with replayable random modules, their draws in the forward pass
+            under test (:func:`recorded_draws`); each sample replays its slice.
+    """
     loss_func = copy.deepcopy(loss_func).double()
-    inputs, targets = _double(inputs.detach()), _double(targets.detach())
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-    buffers = dict(model.named_buffers())
-    state = {**frozen, **buffers}
+    targets = _double(targets)
+    batch = targets.shape[0]
+    sampled = _Sampled(model, inputs, batch, draws)
+    params = sampled.params
 
-    def one_sample(p: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, {**p, **state}, (x.unsqueeze(0),)).squeeze(0)
+    def one_sample(p: dict[str, Tensor], n: int) -> Tensor:
+        return sampled(p, slice(n, n + 1)).squeeze(0)
 
-    with torch.no_grad():
-        outputs = functional_call(model, {**params, **state}, (inputs,))
+    outputs = torch.stack([one_sample(params, n).detach() for n in range(batch)])
     result = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in params.items()}
-    for n in range(inputs.shape[0]):
+    for n in range(batch):
 
         def loss_of_sample(out_n: Tensor, n: int = n) -> Tensor:
             full = torch.cat([outputs[:n], out_n.unsqueeze(0), outputs[n + 1 :]])
@@ -46,11 +176,50 @@ def reference_diag_ggn(
         hess = hessian(loss_of_sample)(outputs[n])
         size = outputs[n].numel()
         hess = hess.reshape(size, size)
-        jac = jacrev(one_sample)(params, inputs[n])
+        with warnings.catch_warnings():  # vmap over attention's backward: slow, not wrong
+            warnings.filterwarnings("ignore", "There is a performance drop")
+            jac = jacrev(one_sample)(params, n)
         for name, j in jac.items():
             j = j.reshape(size, -1)
             result[name] += ((hess @ j) * j).sum(0)
     return {n: result[n].reshape(p.shape) for n, p in params.items()}
+
+
+def reference_sanity(
+    model: nn.Module,
+    inputs: Inputs,
+    batch: int,
+    draws: Mapping[str, Tensor] | None = None,
+    output: Tensor | None = None,
+    rtol: float = 1e-10,
+) -> Tensor:
+    """Check what the reference relies on; return its float64 batch output.
+
+    - Samples are independent: the one-sample outputs, stacked, equal the output of one
+      call on the whole batch (with the same draws replayed).
+    - ``output`` (a forward of the model under test, e.g. the one that recorded
+      ``draws``) equals the reference's function, so the replayed draws are those used.
+    """
+    sampled = _Sampled(model, inputs, batch, draws)
+    with torch.no_grad():
+        whole = sampled(sampled.params, slice(None))
+        stacked = torch.cat(
+            [sampled(sampled.params, slice(n, n + 1)) for n in range(batch)]
+        )
+    scale = whole.abs().max().item()
+    gap = (stacked - whole).abs().max().item()
+    assert gap <= rtol * scale, (
+        f"samples are not independent: one-sample outputs differ from the batch output by "
+        f"{gap:.3e} (scale {scale:.3e})"
+    )
+    if output is not None:
+        gap = (output.detach().double() - whole).abs().max().item()
+        tol = rtol if output.dtype == torch.float64 else 1e-5
+        assert gap <= tol * scale, (
+            f"the reference's function differs from the given output by {gap:.3e} "
+            f"(scale {scale:.3e}): the replayed draws are not those of that forward"
+        )
+    return whole
 
 
 def assert_diag_close(
