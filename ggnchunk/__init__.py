@@ -17,6 +17,10 @@ from ggnchunk._scheduler import (
     plan_chunks,
 )
 
+from ggnchunk._autograd import warm_up as _warm_up
+
+_warm_up()  # one-time set-up of batched backward passes, outside every call's budget
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -13,6 +13,7 @@ from ggnchunk._engine import GGNComputation, Problem, model_lock
 from ggnchunk._memory import PeakTracker
 from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
 
+
 @dataclass
 class GGNReport:
     """How :func:`diag_ggn` computed a diagonal (``return_report=True``).
@@ -167,18 +168,15 @@ def _compute(
             recover_oom=local.recover_oom, what="columns", tracker=tracker,
             cache_key=_cache_key(problem, part),
         )  # fmt: skip
-        start_level = baseline
-        if baseline is not None and problem.device.type == "cpu":
-            # RSS that grew during the forward pass beyond its tensors is one-time set-up
-            # (libraries and kernels loaded on first use): not the call's cost
-            grown = tracker.current() - run.forward_bytes()
-            start_level = max(baseline, grown)
 
         def backward(a: int, b: int, run=run, first=first) -> None:
             run.backward(first + a, first + b)
 
         if last > first:
-            _, schedule = scheduler.run(last - first, backward, baseline=start_level)
+            cost = (run.fixed_bytes(), run.column_bytes())
+            _, schedule = scheduler.run(
+                last - first, backward, baseline=baseline, cost=cost
+            )
             report.schedules.append(schedule)
         if need_gradient:
             grads = run.gradient()
@@ -333,7 +331,9 @@ def loss_grad_and_diag_ggn(
         >>> bool(torch.allclose(loss, loss_func(model(X), y)))
         True
     """
-    options = ChunkOptions(num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom)
+    options = ChunkOptions(
+        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom
+    )
     result = _evaluate(model, loss_func, inputs, targets, options, need_gradient=True)
     names = result.names
     return (
@@ -349,14 +349,18 @@ def _evaluate(
 ) -> _Evaluation:  # fmt: skip
     """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
     problem = Problem.build(model, loss_func)
-    batch = check_batch(list(zip(problem.names, problem.params)), inputs, targets)
+    batch = check_batch(
+        list(zip(problem.names, problem.params, strict=True)), inputs, targets
+    )
     group = resolve_group(True, model) if options.distributed else None
     normalizer = 1.0
     if loss_func.reduction == "mean":
         normalizer = float(problem.handler.normalizer(loss_func, targets))
     if scale is None:
         scale = 1.0 / normalizer
-    with model_lock(model):
+    # autocast would cast the sweeps' products too: everything runs in the parameters'
+    # dtype (float32 for a float32 model under autocast), as the README says
+    with model_lock(model), torch.autocast(problem.device.type, enabled=False):
         total, loss, gradient, report = _compute(
             problem, batch, targets.detach(), options, scale, need_gradient, group
         )

@@ -138,7 +138,9 @@ class Problem:
                 ".float(), ...), with float32 inputs."
             )
         if not dtype.is_floating_point:
-            raise ValueError(f"the model's parameters have dtype {dtype}; use a float dtype.")
+            raise ValueError(
+                f"the model's parameters have dtype {dtype}; use a float dtype."
+            )
         units: dict[nn.Module, tuple[str, LayerRule]] = {}
         for name, module in model.named_modules():
             if isinstance(module, _BatchNorm) and (
@@ -234,8 +236,7 @@ class GGNComputation:
                 changed in place, or samples influence each other.
         """
         problem = self._problem
-        device_type = problem.device.type
-        with torch.enable_grad(), torch.autocast(device_type, enabled=False):
+        with torch.enable_grad():
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):

@@ -121,7 +121,9 @@ class Recording:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._post_hook, prepend=True))
+            self._handles.append(
+                module.register_forward_hook(self._post_hook, prepend=True)
+            )
 
     def remove(self) -> None:
         """Remove the hooks; safe to call more than once."""
@@ -193,9 +195,9 @@ class Recording:
         for call in self.calls:
             x = call.ctx.inputs[0]
             if x._version != call.ctx.versions[0]:
+                kind = type(call.ctx.module).__name__
                 raise ValueError(
-                    f"the input of {_display(call.name)} ({type(call.ctx.module).__name__}) "
-                    "was modified in place after the layer used it (for example by an "
+                    f"the input of {_display(call.name)} ({kind}) was modified in place after the layer used it (for example by an "
                     "in-place activation or `x += ...` on the same tensor). ggnchunk needs "
                     "the value the layer saw: use an out-of-place operation there."
                 )
@@ -262,62 +264,63 @@ class Recording:
     def column_bytes(self, element: int) -> int:
         """An upper bound on the bytes one square-root column costs during a sweep.
 
-        Simulates which backpropagated tensors are alive at each step of the sweep (the
-        pending vectors at layer outputs and glue sources, the current layer's rule
-        intermediates, autograd's buffers in the glue) and takes the largest total.
+        Replays the sweep on sizes alone: which backpropagated tensors are alive at each
+        step (vectors waiting at layer outputs and glue sources, the current layer's and
+        its rule's), plus autograd's buffers inside the glue (bounded by twice the
+        vectors at the glue's ends) and per-sample products of shared parameters. The
+        largest total, per column.
 
         Args:
             element: Bytes per element of the computation's dtype.
 
         Returns:
-            Bytes per column.
+            Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
         """
         n = self._batch
-        live: dict[Any, int] = {}
+        live: dict[tuple[str, Any], int] = {}
         worst = 0
 
-        def glue_cost(source: _Source) -> int:
-            front = sum(self.calls[self._out_keys[edge_key(e)]].out_numel for e in source.frontier)
-            extra = 0
-            if source.params:
-                extra = sum(self._params[i].numel() for i in source.params) + source.numel
-            return 2 * (source.numel + front) + extra
+        def settle(extra: int = 0) -> None:
+            nonlocal worst
+            worst = max(worst, sum(live.values()) + extra)
 
-        def push(key: EdgeKey) -> int:
+        def push(key: EdgeKey, size: int) -> None:
             source = self._sources[key]
-            peak = 0
-            if not source.direct:
-                peak = glue_cost(source)
-                for e in source.frontier:
-                    out = self.calls[self._out_keys[edge_key(e)]]
-                    live[("out", out.index)] = out.out_numel
-            else:
-                out = self.calls[self._out_keys[key]]
-                live[("out", out.index)] = out.out_numel
-            live.pop(("src", key), None)
-            return peak
+            if source.direct:
+                live[("out", key)] = size
+                return
+            ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
+            added = sum(call.out_numel for call in ends)
+            buffers = 2 * (size + added)
+            if source.params:
+                buffers += size + sum(self._params[i].numel() for i in source.params)
+            settle(size + added + buffers)
+            for call in ends:
+                live[("out", edge_key(call.out_edge))] = call.out_numel
 
-        order = iter(self._order)
-        pending_keys = list(self._order)
-        worst = push(self.output_key) if self.output_key in self._sources else 0
-        next(order, None)
+        push(self.output_key, self._sources[self.output_key].numel)
         for call in reversed(self.calls):
-            g = live.pop(("out", call.index), call.out_numel)
-            rule_bytes = call.rule.column_bytes(call.ctx, element) // (element * n)
+            key = edge_key(call.out_edge)
+            size = live.get(("out", key))
+            if size is None:
+                continue
+            rule = call.rule.column_bytes(call.ctx, element) // (element * n)
             shared = sum(
                 self._params[i].numel() for i, _ in call.params if i in self.shared
             )
-            step = sum(live.values()) + g + rule_bytes + shared
-            if call.source is not None:
-                key = edge_key(call.source)
-                live[("src", key)] = live.get(("src", key), 0) or call.ctx.x[0].numel()
-                step += call.ctx.x[0].numel()
-                if self._sources[key].last_consumer == call.index:
-                    step = max(step, sum(live.values()) + push(key))
-            worst = max(worst, step)
-        del pending_keys
+            settle(rule + shared)
+            if call.source is None:
+                live.pop(("out", key))
+                continue
+            inputs = call.ctx.x[0].numel()
+            settle(inputs)
+            live.pop(("out", key))
+            source = edge_key(call.source)
+            live[("src", source)] = inputs
+            if self._sources[source].last_consumer == call.index:
+                push(source, live.pop(("src", source)))
         shared_total = sum(self._params[i].numel() for i in self.shared)
-        return int((worst + shared_total) * n * element * 1.25)
+        return int(1.25 * (worst + shared_total) * n * element)
 
     def fixed_bytes(self, element: int) -> int:
         """Bytes the rules keep for the whole forward pass (unfolded patches, Gram factors).
@@ -406,7 +409,9 @@ class Recording:
                         diagonal[i] += values[pname]
             if call.leaf is None:
                 continue
-            (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
+            back = call.rule.backprop(call.ctx, grads)
+            if back is None:
+                (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
             del grads
             if back is None:
                 continue

@@ -184,13 +184,11 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
 class PeakTracker:
     """Current and peak memory of one device, cheap enough to read around every chunk.
 
-    * CUDA: ``memory_allocated`` and ``max_memory_allocated`` (``reset_peak`` calls
+    * CUDA: ``memory_allocated`` and ``max_memory_allocated`` (``measure`` calls
       ``reset_peak_memory_stats``, which also resets the peak a caller may be watching).
-    * CPU on Linux: the resident set size ``VmRSS`` and its peak ``VmHWM`` from
-      ``/proc/self/status``; ``reset_peak`` writes ``5`` to ``/proc/self/clear_refs``,
-      the kernel's way to reset ``VmHWM`` of this process.
-    * CPU elsewhere: RSS from ``psutil``, polled by a thread every millisecond while a
-      measurement is open.
+    * CPU: the resident set size, sampled by a thread every millisecond while a
+      measurement is open. The kernel's own peak counter (``VmHWM``) is never reset, so
+      a caller's measurement of the whole process stays intact.
 
     Args:
         device: The device whose memory to track.
@@ -198,29 +196,26 @@ class PeakTracker:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._linux = False
+        self._page = 0
         if device.type == "cpu":
             try:
-                with open("/proc/self/clear_refs", "w") as handle:
-                    handle.write("5")
-                self._linux = self._read_status("VmHWM") > 0
-            except OSError:
-                self._linux = False
+                import os
 
-    @staticmethod
-    def _read_status(field: str) -> int:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        return 0
+                self._page = os.sysconf("SC_PAGE_SIZE")
+                self._statm()
+            except (OSError, ValueError, AttributeError):
+                self._page = 0
+
+    def _statm(self) -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * self._page
 
     def current(self) -> int:
         """Bytes in use now (CUDA: allocated by tensors; CPU: resident set size)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        if self._linux:
-            return self._read_status("VmRSS")
+        if self._page:
+            return self._statm()
         import psutil
 
         return psutil.Process().memory_info().rss
@@ -246,25 +241,13 @@ class PeakTracker:
                 torch.cuda.max_memory_allocated(self.device),
                 (time.perf_counter() - start),
             )
-        if self._linux:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-            start = time.perf_counter()
-            result = fn()
-            seconds = time.perf_counter() - start
-            return result, self._read_status("VmHWM"), seconds
-        return self._measure_polled(fn)
-
-    def _measure_polled(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
         import threading
 
-        import psutil
-
-        process, peak, done = psutil.Process(), [0], threading.Event()
+        peak, done = [self.current()], threading.Event()
 
         def poll() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], process.memory_info().rss)
+                peak[0] = max(peak[0], self.current())
                 done.wait(1e-3)
 
         thread = threading.Thread(target=poll, daemon=True)
@@ -276,7 +259,7 @@ class PeakTracker:
             seconds = time.perf_counter() - start
             done.set()
             thread.join()
-        return result, max(peak[0], process.memory_info().rss), seconds
+        return result, max(peak[0], self.current()), seconds
 
 
 def free_memory(device: torch.device) -> int:

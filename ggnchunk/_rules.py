@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 __all__ = [
@@ -67,7 +66,9 @@ def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> 
     k = b.shape[2]
     if _use_gram(v, n, g, o, k, p):
         if p == 1:
-            return torch.einsum("ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square())
+            return torch.einsum(
+                "ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square()
+            )
         bb = None if cache is None else cache.get("gram")
         if bb is None:
             bb = torch.einsum("ngkp,ngkq->ngkpq", b, b)
@@ -75,8 +76,34 @@ def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> 
                 cache["gram"] = bb
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
-    products = torch.einsum("vngop,ngkp->vngok", a, b)
-    return products.square().sum((0, 1))
+    if g == 1:  # per sample: [V, O, P] @ [P, K] reads ``a`` in place (no permuted copy)
+        total = a.new_zeros(o, k)
+        for i in range(n):
+            total += torch.matmul(a[:, i, 0], b[i, 0].T).square().sum(0)
+        return total.unsqueeze(0)
+    return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+
+
+def square_sum_bytes(n: int, g: int, o: int, k: int, p: int) -> tuple[int, int]:
+    """Elements :func:`square_sum` may keep: ``(fixed per chunk, per column)``.
+
+    Args:
+        n: Samples.
+        g: Groups.
+        o: Rows per group of the chunk-dependent side.
+        k: Rows per group of the fixed side.
+        p: Positions.
+
+    Returns:
+        Upper bounds in elements: the Gram factors (if the Gram form may be chosen) and
+        the per-column products of the direct form.
+    """
+    if p == 1:  # squares summed over the columns first: nothing per column
+        return n * g * (o + k), 0
+    gram = _use_gram(1, n, g, o, k, p) or _use_gram(2**20, n, g, o, k, p)
+    fixed = n * g * p * p * (o + k) if gram else 0
+    per_column = o * k if g == 1 else n * g * o * k
+    return fixed, per_column
 
 
 def products(a: Tensor, b: Tensor) -> Tensor:
@@ -90,6 +117,21 @@ def products(a: Tensor, b: Tensor) -> Tensor:
         ``[V, N, G, O, K]``.
     """
     return torch.einsum("vngop,ngkp->vngok", a, b)
+
+
+def _window_view(x: Tensor, kernel, stride, padding, dilation) -> Tensor:
+    """``[B, C, *kernel, *positions]`` strided view of the (zero-padded) input's patches."""
+    dims = len(kernel)
+    stride, padding, dilation = (_tuple(t, dims) for t in (stride, padding, dilation))
+    pads = [p for pad in reversed(padding) for p in (pad, pad)]
+    if any(pads):
+        x = F.pad(x, pads)
+    for d in range(dims):
+        x = x.unfold(2 + d, dilation[d] * (kernel[d] - 1) + 1, stride[d])
+        if dilation[d] > 1:
+            x = x[..., :: dilation[d]]
+    order = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
+    return x.permute(order)
 
 
 def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Tensor:
@@ -106,13 +148,8 @@ def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Ten
         ``[B, C * prod(kernel), P]``: row ``c * K + j`` is channel ``c`` at kernel offset
         ``j``, for each of the ``P`` output positions.
     """
-    channels, dims = x.shape[1], len(kernel)
-    size = math.prod(kernel)
-    eye = torch.eye(size, dtype=x.dtype, device=x.device).reshape(size, 1, *kernel)
-    weight = eye.repeat(channels, *([1] * (dims + 1)))
-    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-    out = conv(x, weight, None, stride, padding, dilation, channels)
-    return out.reshape(x.shape[0], channels * size, -1)
+    view = _window_view(x, kernel, stride, padding, dilation)
+    return view.reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)
 
 
 # -- rules ------------------------------------------------------------------------------
@@ -193,6 +230,21 @@ class LayerRule(ABC):
         """
         return {k: t.square().sum((0, 1)) for k, t in self.per_sample(ctx, grads).items()}
 
+    def backprop(self, ctx: RuleContext, grads: Tensor) -> Tensor | None:
+        """The vectors at the layer's input, ``[V, N, *input.shape[1:]]``, or ``None``.
+
+        ``None`` lets autograd do it on the recorded graph (batched over ``V``); a rule
+        that knows the transposed Jacobian folds ``V`` into the batch instead.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            The backpropagated vectors, or ``None``.
+        """
+        return None
+
     def column_bytes(self, ctx: RuleContext, element: int) -> int:
         """Bytes the rule allocates per column of a chunk, at most (for memory plans).
 
@@ -256,19 +308,22 @@ class LinearRule(LayerRule):
             out["bias"] = a.sum(4)[:, :, 0]
         return out
 
-    def column_bytes(self, ctx, element):
+    def backprop(self, ctx, grads):
+        return grads @ ctx.module.weight.detach()
+
+    @staticmethod
+    def _sizes(ctx: RuleContext) -> tuple[int, int]:
         x = ctx.x
-        n, positions = x.shape[0], x[0].numel() // x.shape[-1]
-        o, i = ctx.out_shape[-1], x.shape[-1]
-        gram = n * positions * positions * o if positions > 1 else n * o
-        return (2 * math.prod(ctx.out_shape) + min(n * o * i, gram)) * element
+        fixed, per_column = square_sum_bytes(
+            x.shape[0], 1, ctx.out_shape[-1], x.shape[-1], x[0].numel() // x.shape[-1]
+        )
+        return fixed, per_column
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
 
     def fixed_bytes(self, ctx, element):
-        x = ctx.x
-        positions = x[0].numel() // x.shape[-1]
-        if positions == 1:
-            return 0
-        return x.shape[0] * positions * positions * x.shape[-1] * element
+        return self._sizes(ctx)[0] * element
 
 
 def _tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
@@ -346,23 +401,35 @@ class ConvRule(LayerRule):
             out["bias"] = a.sum(4).reshape(v, n, -1)
         return out
 
-    def column_bytes(self, ctx, element):
+    def backprop(self, ctx, grads):
+        module, x = ctx.module, ctx.x
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        dims = x.dim() - 2
+        v, n = grads.shape[:2]
+        folded = grads.reshape(v * n, *grads.shape[2:])
+        result = torch.ops.aten.convolution_backward(
+            folded, folded.new_empty(1).expand(v * n, *x.shape[1:]),
+            module.weight.detach(), None, _tuple(module.stride, dims),
+            _tuple(module.padding, dims), _tuple(module.dilation, dims), False,
+            [0] * dims, module.groups, [True, False, False],
+        )[0]  # fmt: skip
+        return result.reshape(v, n, *x.shape[1:])
+
+    @staticmethod
+    def _sizes(ctx: RuleContext) -> tuple[int, int, int]:
         module = ctx.module
-        n = ctx.out_shape[0]
+        n, g = ctx.out_shape[0], module.groups
         positions = math.prod(ctx.out_shape[2:])
-        weight = module.weight.numel()
-        g = module.groups
-        o = module.out_channels // g
-        k = weight // module.out_channels
-        gram = n * g * positions * positions * o
-        return (2 * math.prod(ctx.out_shape) + min(n * weight, gram)) * element
+        k = module.weight.numel() // module.out_channels
+        fixed, per_column = square_sum_bytes(n, g, module.out_channels // g, k, positions)
+        return fixed + 2 * n * g * k * positions, per_column, positions
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
 
     def fixed_bytes(self, ctx, element):
-        module = ctx.module
-        n = ctx.out_shape[0]
-        positions = math.prod(ctx.out_shape[2:])
-        k = module.weight.numel() // module.out_channels * module.groups
-        return 2 * n * k * positions * element + n * k * positions**2 * element
+        return self._sizes(ctx)[0] * element
 
 
 class ConvTransposeRule(LayerRule):
@@ -376,33 +443,65 @@ class ConvTransposeRule(LayerRule):
     classes = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
     description = "groups, dilation, stride, `output_padding`"
 
-    def _sides(self, ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
-        module, x = ctx.module, ctx.x
-        dims = x.dim() - 2
-        v, n, c = grads.shape[:3]
-        g = module.groups
-        patches = unfold(
-            grads.reshape(v * n, c, *grads.shape[3:]),
+    @staticmethod
+    def _geometry(module: nn.Module, dims: int) -> tuple[tuple[int, ...], ...]:
+        return (
             _tuple(module.kernel_size, dims), _tuple(module.stride, dims),
             _tuple(module.padding, dims), _tuple(module.dilation, dims),
         )  # fmt: skip
+
+    def _sides(self, ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
+        module, x = ctx.module, ctx.x
+        v, n, c = grads.shape[:3]
+        g = module.groups
+        patches = unfold(
+            grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, x.dim() - 2)
+        )
         a = patches.reshape(v, n, g, -1, patches.shape[-1])  # [V, N, G, Cout/G*K, P]
+        return a, self._b(ctx)
+
+    @staticmethod
+    def _b(ctx: RuleContext) -> Tensor:
         b = ctx.extra.get("b")
         if b is None:
-            b = x.reshape(n, g, x.shape[1] // g, -1)  # [N, G, Cin/G, P]
-            ctx.extra["b"] = b
-        return a, b
+            x, g = ctx.x, ctx.module.groups
+            b = ctx.extra["b"] = x.reshape(x.shape[0], g, x.shape[1] // g, -1)
+        return b  # [N, G, Cin/G, P]
 
     def diag(self, ctx, grads):
         module, out = ctx.module, {}
+        v, n, c = grads.shape[:3]
         if _trainable(module, "weight"):
-            a, b = self._sides(ctx, grads)
-            result = square_sum(a, b, ctx.extra)  # [G, Cout/G*K, Cin/G]
-            out["weight"] = result.transpose(1, 2).reshape(module.weight.shape)
+            dims = ctx.x.dim() - 2
+            kernel = _tuple(module.kernel_size, dims)
+            g = module.groups
+            view = _window_view(
+                grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, dims)
+            )  # [V*N, Cout, *kernel, *positions], no copy
+            b = self._b(ctx)
+            offsets = [()]
+            for k in kernel:
+                offsets = [(*o, i) for o in offsets for i in range(k)]
+            result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
+            for j, offset in enumerate(offsets):
+                a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
+                result[:, :, j] = square_sum(a, b)
+            out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
         if _trainable(module, "bias"):
-            v, n, c = grads.shape[:3]
             out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
         return out
+
+    def backprop(self, ctx, grads):
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        v, n, c = grads.shape[:3]
+        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        _, stride, padding, dilation = self._geometry(module, dims)
+        result = conv(
+            grads.reshape(v * n, c, *grads.shape[3:]), module.weight.detach(), None,
+            stride, padding, dilation, module.groups,
+        )  # fmt: skip
+        return result.reshape(v, n, *x.shape[1:])
 
     def per_sample(self, ctx, grads):
         module, out = ctx.module, {}
@@ -416,13 +515,12 @@ class ConvTransposeRule(LayerRule):
         return out
 
     def column_bytes(self, ctx, element):
-        module = ctx.module
-        n = ctx.out_shape[0]
-        k = module.weight.numel() // (module.in_channels * module.out_channels // module.groups)
-        patches = n * module.out_channels * k * math.prod(ctx.x.shape[2:])
-        return (2 * math.prod(ctx.out_shape) + 2 * patches + n * module.weight.numel()) * (
-            element
-        )
+        module, x = ctx.module, ctx.x
+        n, out = ctx.out_shape[0], math.prod(ctx.out_shape)
+        per_offset = n * module.out_channels * math.prod(x.shape[2:])
+        kernel = math.prod(_tuple(module.kernel_size, x.dim() - 2))
+        products = module.weight.numel() // kernel
+        return (2 * out + per_offset + products + math.prod(x.shape)) * element
 
 
 class _NormRule(LayerRule):
@@ -474,6 +572,13 @@ class BatchNormRule(_NormRule):
 
     def _sum_axes(self, ctx, grads):
         return tuple(range(3, grads.dim()))
+
+    def backprop(self, ctx, grads):
+        module = ctx.module
+        scale = (ctx.extra["var"].to(grads.dtype) + module.eps).rsqrt()
+        if module.weight is not None:
+            scale = scale * module.weight.detach()
+        return grads * scale.view(-1, *([1] * (grads.dim() - 3)))
 
 
 class LayerNormRule(_NormRule):

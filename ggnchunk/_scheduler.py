@@ -23,6 +23,7 @@ __all__ = [
     "ChunkRecord",
     "ChunkScheduler",
     "MemoryBudgetError",
+    "MemoryBudgetWarning",
     "OutOfMemoryRecoveryWarning",
     "Plan",
     "ScheduleReport",
@@ -97,7 +98,7 @@ def plan_chunks(
 
 # -- the scheduler ----------------------------------------------------------------------
 
-_SAFETY = 0.92  # aim below the budget: the affine memory model is fitted on two points
+_SAFETY = 0.88  # aim below the budget: the memory model and measurements are estimates
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
 _MIN_GAIN = 0.05  # a smaller trial size must be this much faster per index to be chosen
@@ -105,6 +106,10 @@ _MIN_GAIN = 0.05  # a smaller trial size must be this much faster per index to b
 
 class MemoryBudgetError(MemoryError):
     """The smallest chunk (one index) does not fit the memory budget."""
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A chunk's measured peak memory went above the budget; later chunks were shrunk."""
 
 
 class OutOfMemoryRecoveryWarning(UserWarning):
@@ -300,6 +305,7 @@ class ChunkScheduler:
         total: int,
         fn: Callable[[int, int], Any],
         baseline: int | None = None,
+        cost: tuple[float, float] | None = None,
     ) -> tuple[Any, ScheduleReport]:
         """Run ``fn`` over chunks of ``[0, total)``.
 
@@ -308,6 +314,12 @@ class ChunkScheduler:
             fn: ``fn(start, stop)``; its non-``None`` results are added up.
             baseline: Memory in use before the computation began (the budget counts
                 from here); defaults to the memory in use now.
+            cost: A known upper bound on the memory of a chunk of ``s`` indices,
+                ``(fixed_bytes, bytes_per_index)``, counted from the memory in use now.
+                With it, budget and auto modes plan from the bound instead of probing
+                (a measured chunk above the budget still shrinks the size) and never
+                grow past it on the CPU, where the resident set size cannot see memory
+                that the allocator reuses.
 
         Returns:
             ``(sum of fn's results or None, report)``.
@@ -324,6 +336,7 @@ class ChunkScheduler:
         if tracker is not None and baseline is None:
             baseline = tracker.current()
         state = _Run(self, total, fn, tracker, baseline or 0)
+        state.cost = cost
         if self.mode == "fixed":
             plan = plan_chunks(total, self.num_chunks, self.chunk_size, what=self.what)
             state.report.chunk_size = max(b - a for a, b in plan)
@@ -404,6 +417,8 @@ class _Run:
             total=total, mode=scheduler.mode, chunk_size=0, budget_bytes=scheduler.budget
         )
         self.largest_failed: int | None = None
+        self.cost: tuple[float, float] | None = None
+        self.overshoot_warned = False
 
     # one chunk, with out-of-memory recovery ------------------------------------------
     def _once(self, start: int, stop: int) -> ChunkRecord:
@@ -483,7 +498,24 @@ class _Run:
         cache_key = None if key is None else (key, self.s.mode, budget, self.total)
         decision = _CACHE.get(cache_key) if cache_key is not None else None
         start, grow = 0, True
-        if decision is None:
+        if self.cost is not None:
+            self._from_cost(budget)  # one index must fit: checked before any work
+            if self.total > 1:
+                # the first chunk of a call can leave one-time set-up behind (kernels
+                # and libraries loaded on first use): one index, then plan from after it
+                start = self.run_range(0, 1)[-1].stop
+            cached, decision = decision, self._from_cost(budget)
+            grow = self.s.device.type == "cuda"  # exact allocator statistics only
+            size = self._fit_size(decision, budget)
+            if self.s.mode == "auto":
+                if cached is not None and cached.tuned and cached.chunk_size:
+                    self.report.from_cache = True
+                    size, grow, decision.tuned = min(size, cached.chunk_size), False, True
+                else:
+                    start, size, grow_more = self._tune(start, size)
+                    decision.tuned = not grow_more
+                    grow = grow and grow_more
+        elif decision is None:
             decision, start = self._probe(budget)
             size = self._fit_size(decision, budget)
             if self.s.mode == "auto":
@@ -508,6 +540,7 @@ class _Run:
             own = peak - largest.level_before_bytes
             if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
                 size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
+                self._warn_overshoot(peak, budget, size)
             elif grow and done == size and len(records) == 1 and peak <= target:
                 factor = (
                     2.0 if peak <= floor else min(2.0, (target - floor) / (peak - floor))
@@ -522,6 +555,35 @@ class _Run:
         self.report.bytes_per_index = decision.per_index
         self.report.chunk_size = size
         self.warn_if_recovered()
+
+    def _from_cost(self, budget: int) -> _Decision:
+        """The plan from the known bound; a budget below one index raises first."""
+        fixed_bound, per_index = self.cost
+        level = max(0, self.tracker.current() - self.baseline)
+        fixed = level + fixed_bound
+        if fixed + per_index > budget:
+            raise MemoryBudgetError(
+                f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
+                f"{self.s.what} needs up to {(fixed + per_index) / MiB:,.1f} MiB above "
+                f"the memory in use before the call ({level / MiB:,.1f} MiB of it already "
+                f"in use after the forward pass, {per_index / MiB:,.2f} MiB per "
+                f"{self.s.what[:-1] if self.s.what.endswith('s') else self.s.what}). "
+                "Raise max_memory, or make the problem smaller (e.g. batch_chunk_size "
+                "for fewer samples per forward pass)."
+            )
+        return _Decision(fixed, per_index)
+
+    def _warn_overshoot(self, peak: int, budget: int, size: int) -> None:
+        if self.overshoot_warned:
+            return
+        self.overshoot_warned = True
+        warnings.warn(
+            f"ggnchunk: a chunk peaked at {peak / MiB:,.1f} MiB, above the "
+            f"{budget / MiB:,.1f} MiB budget; the remaining chunks use at most {size} "
+            f"{self.s.what}. The result is exact.",
+            MemoryBudgetWarning,
+            stacklevel=4,
+        )
 
     def _probe(self, budget: int) -> tuple[_Decision, int]:
         """Fit ``peak = fixed + per_index * s`` from two chunks of 1 and a larger chunk.

@@ -330,6 +330,13 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
 
     def normalizer(self, loss_func, target) -> Tensor:
         if target.is_floating_point():  # probabilities [N, C, ...]: one per position
+            if target.dim() < 2:
+                raise ValueError(
+                    f"targets have dtype {target.dtype} and shape {tuple(target.shape)}: "
+                    "they look like class indices stored as floats. Convert them with "
+                    "targets.long() (floating-point targets must be class probabilities "
+                    "of the output's shape [N, C, ...])."
+                )
             return torch.tensor(float(target.numel() // target.shape[1]))
         valid = target != loss_func.ignore_index
         if loss_func.weight is None:

@@ -1,0 +1,63 @@
+"""Run one budgeted call in this (fresh) process and print its peak RSS growth as JSON.
+
+``python -m tests._budget_worker PROBLEM BUDGET SCENARIO``: ``SCENARIO`` is ``first``
+(the first call in the process), ``warm`` (after a small call) or ``after_large`` (after
+an earlier one-pass call, as a notebook's previous cell). The peak is the kernel's own
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the
+call) minus the resident set size just before the call: exactly what a user measuring
+the call sees. No allocator variables are set: the parent removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import ggnchunk
+from benchmarks import problems
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    name, budget, scenario = sys.argv[1:4]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, loss_func, x, y = getattr(problems, name)()
+    if scenario == "warm":
+        ggnchunk.diag_ggn(model, loss_func, x[:2], y[:2], num_chunks=2)
+    elif scenario == "after_large":
+        ggnchunk.diag_ggn(model, loss_func, x, y)
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    diag, report = ggnchunk.diag_ggn(
+        model, loss_func, x, y, max_memory=budget, return_report=True
+    )
+    peak = _status("VmHWM") - before
+    reference = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=7)
+    error = max(
+        float(
+            (
+                (diag[k] - reference[k]).abs().max()
+                / reference[k].abs().max().clamp_min(1e-30)
+            )
+        )
+        for k in diag
+    )
+    print(json.dumps({
+        "peak_mib": peak / 2**20, "passes": report.num_passes,
+        "chunk_size": report.chunk_size, "error": error,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
