@@ -4,6 +4,7 @@ The public API is exactly what this module exports.
 """
 
 from ggnchunk._api import GGNReport, diag_ggn, loss_grad_and_diag_ggn
+from ggnchunk._autograd import warm_up as _warm_up
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import supported_layers_table
@@ -16,8 +17,6 @@ from ggnchunk._scheduler import (
     clear_autotune_cache,
     plan_chunks,
 )
-
-from ggnchunk._autograd import warm_up as _warm_up
 
 _warm_up()  # one-time set-up of batched backward passes, outside every call's budget
 

@@ -197,9 +197,10 @@ class Recording:
             if x._version != call.ctx.versions[0]:
                 kind = type(call.ctx.module).__name__
                 raise ValueError(
-                    f"the input of {_display(call.name)} ({kind}) was modified in place after the layer used it (for example by an "
-                    "in-place activation or `x += ...` on the same tensor). ggnchunk needs "
-                    "the value the layer saw: use an out-of-place operation there."
+                    f"the input of {_display(call.name)} ({kind}) was modified in place "
+                    "after the layer used it (for example by an in-place activation or "
+                    "`x += ...` on the same tensor). ggnchunk needs the value the layer "
+                    "saw: use an out-of-place operation there."
                 )
         self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
         uses: dict[int, int] = {}
