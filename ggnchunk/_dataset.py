@@ -5,12 +5,18 @@ it: each batch contributes the diagonal of its *summed* loss, and for ``mean`` t
 is divided by the dataset's normalizer (the number of loss terms, or the sum of class
 weights of the counted targets for a weighted cross-entropy), counted while iterating.
 For plain losses that is weight ``batch_size / N`` per batch; for ``sum`` weight 1.
+
+Batches are ``(inputs, targets)`` pairs, ``inputs`` as in :func:`ggnchunk.diag_ggn` (a
+tensor, a tuple/list for ``model(*inputs)``, a dict for ``model(**inputs)``), or dict
+batches in laplace-torch's convention (a Hugging Face-style ``{"input_ids": ...,
+"labels": ...}``): the whole dict is the model's one argument, ``model(batch)``, the
+targets are ``batch[dict_key_y]``, and ``batch[dict_key_x]`` is the batched input.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +26,167 @@ from ggnchunk._api import ChunkOptions, GGNReport, _evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
+
+_PAIRS_OR_DICTS = (
+    "(inputs, targets) pairs (inputs: a tensor, a tuple/list of model arguments or a dict "
+    "of keyword arguments) or dict batches holding the targets under dict_key_y"
+)
+
+
+class _MappingCall(nn.Module):
+    """Calls ``model(mapping)`` when ggnchunk's engine calls ``self(**mapping)``.
+
+    laplace-torch passes a dict batch whole to the model; the engine splits, checks and
+    detaches the tensors of a dict of keyword arguments. This adapter rebuilds the
+    mapping (of the batch's own type where it can be rebuilt from a dict) and makes the
+    one call. Its parameters are the model's, named ``model.<name>``.
+
+    Args:
+        model: The model that takes one mapping.
+        kind: The mapping type to rebuild (``dict`` where the batch's own type cannot be
+            built from a dict).
+    """
+
+    def __init__(self, model: nn.Module, kind: type):
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        self.training = model.training  # the flag only: the model's modes stay as they are
+
+    def forward(self, **entries: Any) -> Any:
+        """Call the model with the rebuilt mapping.
+
+        Args:
+            **entries: The mapping's entries.
+
+        Returns:
+            The model's output.
+        """
+        return self.model(self.kind(entries))
+
+
+def mapping_call(model: nn.Module, batch: Mapping) -> tuple[nn.Module, dict[str, Any]]:
+    """The model and inputs that make the engine call ``model(batch)`` (laplace-torch).
+
+    Args:
+        model: The model, which takes the whole mapping as its one argument.
+        batch: The dict batch.
+
+    Returns:
+        ``(adapter, entries)``: ``diag_ggn(adapter, loss, entries, targets)`` calls
+        ``model(batch)``; the adapter's parameter names carry the prefix ``model.``.
+
+    Raises:
+        TypeError: If a key of ``batch`` is not a string.
+    """
+    keys = [k for k in batch if not isinstance(k, str)]
+    if keys:
+        raise TypeError(
+            f"dict batches must have string keys, got {keys[:3]}; use string keys such "
+            "as 'input_ids' and 'labels'."
+        )
+    entries = dict(batch)
+    kind: type = type(batch)
+    if kind is not dict:
+        try:
+            kind(entries)
+        except Exception:  # a mapping type that is not built from a dict
+            kind = dict
+    return _MappingCall(model, kind), entries
+
+
+def split_batch(
+    batch: Any, dict_key_x: str, dict_key_y: str, argument: str = "data"
+) -> tuple[Any, Tensor, bool]:
+    """Inputs and targets of one loader batch.
+
+    Args:
+        batch: An ``(inputs, targets)`` pair or a dict batch (laplace-torch's
+            convention: targets under ``dict_key_y``, the batched input under
+            ``dict_key_x``, the whole dict passed to the model).
+        dict_key_x: Key of the batched input tensor in dict batches.
+        dict_key_y: Key of the targets in dict batches.
+        argument: The argument named in error messages.
+
+    Returns:
+        ``(inputs, targets, whole)``: ``whole`` is ``True`` for a dict batch, whose
+        inputs (the dict) go to the model as its one argument (see :func:`mapping_call`).
+
+    Raises:
+        TypeError: For a batch that is neither a pair nor a dict, or non-tensor targets.
+        KeyError: For a dict batch without ``dict_key_x`` or ``dict_key_y``.
+        ValueError: If ``batch[dict_key_x]`` does not have the targets' batch size.
+    """
+    if isinstance(batch, Mapping):
+        for name, key in (("dict_key_y", dict_key_y), ("dict_key_x", dict_key_x)):
+            if key not in batch:
+                raise KeyError(
+                    f"{argument} yielded a dict batch without the key {name}={key!r} "
+                    f"(keys: {sorted(map(str, batch))}); pass {name}=<the key of the "
+                    f"{'targets' if name == 'dict_key_y' else 'batched input tensor'}>."
+                )
+        targets, first = batch[dict_key_y], batch[dict_key_x]
+        if not isinstance(targets, Tensor):
+            raise TypeError(
+                f"{argument} yielded a dict batch whose {dict_key_y!r} entry "
+                f"(dict_key_y) is a {type(targets).__name__}, not a tensor of targets; "
+                "return tensors from the collate function."
+            )
+        size = targets.shape[0] if targets.dim() else None
+        if not isinstance(first, Tensor) or first.dim() == 0 or first.shape[0] != size:
+            shape = (
+                tuple(first.shape) if isinstance(first, Tensor) else type(first).__name__
+            )
+            raise ValueError(
+                f"{argument} yielded a dict batch whose {dict_key_x!r} entry (dict_key_x) "
+                f"has shape {shape} but the targets have shape {tuple(targets.shape)}; "
+                "dict_key_x must name a tensor with the batch on axis 0, as long as the "
+                "targets under dict_key_y."
+            )
+        return batch, targets, True
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        if not isinstance(targets, Tensor):
+            raise TypeError(
+                f"{argument} yielded a pair whose second item (the targets) is a "
+                f"{type(targets).__name__}, not a tensor; yield (inputs, targets) pairs."
+            )
+        return inputs, targets, False
+    what = (
+        f"a {type(batch).__name__} of {len(batch)} items"
+        if isinstance(batch, (tuple, list))
+        else type(batch).__name__
+    )
+    raise TypeError(
+        f"{argument} must yield {_PAIRS_OR_DICTS}; got {what}. Pack several model "
+        "inputs as ((x1, x2), targets) or yield dicts."
+    )
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor in nested tuples, lists and mappings to ``device``.
+
+    Args:
+        value: A tensor, a tuple/list/mapping of them (nested), or anything else.
+        device: The target device.
+
+    Returns:
+        The same structure (a mapping keeps its type where it can be rebuilt from a
+        dict) with its tensors on ``device``.
+    """
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, Mapping):
+        moved = {k: _to_device(v, device) for k, v in value.items()}
+        if type(value) is not dict:
+            try:
+                return type(value)(moved)
+            except Exception:  # a mapping type that is not built from a dict
+                return moved
+        return moved
+    return value
 
 
 class DiagGGNAccumulator:
@@ -32,6 +199,9 @@ class DiagGGNAccumulator:
     Args:
         model: As in :func:`ggnchunk.diag_ggn`.
         loss_func: As in :func:`ggnchunk.diag_ggn`.
+        dict_key_x: Key of the batched input tensor in dict batches passed to
+            :meth:`update` (laplace-torch's convention).
+        dict_key_y: Key of the targets in dict batches passed to :meth:`update`.
         **options: Chunking options of :func:`ggnchunk.diag_ggn` (``num_chunks``,
             ``chunk_size``, ``max_memory``, ``batch_chunk_size``, ``recover_oom``),
             used for every batch.
@@ -48,7 +218,15 @@ class DiagGGNAccumulator:
 
     _OPTIONS = ("num_chunks", "chunk_size", "max_memory", "batch_chunk_size", "recover_oom")
 
-    def __init__(self, model: nn.Module, loss_func: nn.Module, **options: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_func: nn.Module,
+        *,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        **options: Any,
+    ):
         unknown = set(options) - set(self._OPTIONS)
         if unknown:
             raise TypeError(
@@ -56,6 +234,7 @@ class DiagGGNAccumulator:
                 f"{', '.join(self._OPTIONS)}."
             )
         self.model, self.loss_func = model, loss_func
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.options = {"recover_oom": True, **dict.fromkeys(self._OPTIONS[:4]), **options}
         self._chunking = ChunkOptions(**self.options)
         self.reset()
@@ -68,20 +247,31 @@ class DiagGGNAccumulator:
         self.num_batches = 0
         self.last_report: GGNReport | None = None
 
-    def update(self, inputs: Tensor, targets: Tensor) -> GGNReport:
+    def update(self, inputs: Any, targets: Tensor | None = None) -> GGNReport:
         """Add one batch.
 
         Args:
-            inputs: Batch inputs, ``[B, ...]``.
-            targets: Batch targets.
+            inputs: Batch inputs as in :func:`ggnchunk.diag_ggn`: a tensor ``[B, ...]``,
+                a tuple/list (``model(*inputs)``) or a dict (``model(**inputs)``). Without
+                ``targets``: a whole loader batch, an ``(inputs, targets)`` pair or a
+                dict batch in laplace-torch's convention (targets under ``dict_key_y``,
+                the whole dict passed to the model: ``model(batch)``).
+            targets: Batch targets, batch on axis 0; ``None`` when ``inputs`` is a batch.
 
         Returns:
             How the batch was chunked.
         """
+        model, whole = self.model, False
+        if targets is None:
+            inputs, targets, whole = split_batch(
+                inputs, self.dict_key_x, self.dict_key_y, argument="update(batch)"
+            )
+            if whole:
+                model, inputs = mapping_call(self.model, inputs)
         result = _evaluate(
-            self.model, self.loss_func, inputs, targets, self._chunking, scale=1.0
+            model, self.loss_func, inputs, targets, self._chunking, scale=1.0
         )
-        names = result.names
+        names = [n.removeprefix("model.") for n in result.names] if whole else result.names
         if self._sum is None:
             self._sum = dict(zip(names, result.diagonal, strict=True))
         else:
@@ -173,8 +363,10 @@ class DiagGGNAccumulator:
 def diag_ggn_dataset(
     model: nn.Module,
     loss_func: nn.Module,
-    data: Iterable[tuple[Tensor, Tensor]],
+    data: Iterable[Any],
     *,
+    dict_key_x: str = "input_ids",
+    dict_key_y: str = "labels",
     progress: bool | None = None,
     distributed: bool | None = None,
     **options: Any,
@@ -186,8 +378,16 @@ def diag_ggn_dataset(
         loss_func: As in :func:`ggnchunk.diag_ggn`; its ``reduction`` says how batches
             combine (``sum``: weight 1; ``mean``: weight ``batch_size / N``, N counted
             while iterating).
-        data: A ``DataLoader`` or any iterable of ``(inputs, targets)`` batches, already
-            on the model's device or on the CPU (then moved batch by batch).
+        data: A ``DataLoader`` or any iterable of batches, already on the model's device
+            or on the CPU (then moved batch by batch, nested tensors too). A batch is an
+            ``(inputs, targets)`` pair, ``inputs`` as in :func:`ggnchunk.diag_ggn` (a
+            tensor, a tuple/list for ``model(*inputs)``, a dict for
+            ``model(**inputs)``), or a dict batch in laplace-torch's convention: the
+            targets are ``batch[dict_key_y]`` and the whole dict is the model's one
+            argument, ``model(batch)``.
+        dict_key_x: Key of the batched input tensor in dict batches (its axis 0 must be
+            the targets' batch size).
+        dict_key_y: Key of the targets in dict batches.
         progress: Show a tqdm progress bar with the chunking in use; ``None`` shows it
             only when standard error is a terminal.
         distributed: ``None``: sum over the ranks of the default process group if one is
@@ -202,9 +402,27 @@ def diag_ggn_dataset(
 
     Raises:
         ValueError: If ``data`` yields no batch (on all ranks).
+        TypeError: If a batch is neither an ``(inputs, targets)`` pair nor a dict.
+        KeyError: If a dict batch lacks ``dict_key_x`` or ``dict_key_y``.
+
+    Example:
+        >>> import torch, ggnchunk
+        >>> class Net(torch.nn.Module):  # a model that takes a dict batch whole
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.linear = torch.nn.Linear(3, 2)
+        ...     def forward(self, batch):
+        ...         return self.linear(batch["input_ids"])
+        >>> data = [{"input_ids": torch.randn(4, 3), "labels": torch.randn(4, 2)}]
+        >>> diag = ggnchunk.diag_ggn_dataset(Net(), torch.nn.MSELoss(), data,
+        ...                                  progress=False)
+        >>> sorted(diag)
+        ['linear.bias', 'linear.weight']
     """
     group = resolve_group(distributed, model)
-    accumulator = DiagGGNAccumulator(model, loss_func, **options)
+    accumulator = DiagGGNAccumulator(
+        model, loss_func, dict_key_x=dict_key_x, dict_key_y=dict_key_y, **options
+    )
     device = next(p.device for p in model.parameters() if p.requires_grad)
     show = sys.stderr.isatty() if progress is None else bool(progress)
     bar = None
@@ -218,13 +436,8 @@ def diag_ggn_dataset(
             bar = None
     try:
         for batch in data:
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                raise TypeError(
-                    "data must yield (inputs, targets) pairs; got "
-                    f"{type(batch).__name__}. Wrap your dataset so it yields pairs."
-                )
-            inputs, targets = (t.to(device) for t in batch)
-            report = accumulator.update(inputs, targets)
+            split_batch(batch, dict_key_x, dict_key_y)  # its shape, before any copy
+            report = accumulator.update(_to_device(batch, device))
             if bar is not None:
                 bar.set_postfix(
                     columns_per_pass=report.chunk_size, passes=report.num_passes

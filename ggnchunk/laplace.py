@@ -15,17 +15,27 @@ for classification; no division by the dataset size), flattened over the trainab
 parameters in order. Last-layer Laplace (``last_layer=True``) computes the features with
 the feature extractor and the diagonal of the last layer only. No hooks stay on the
 model, so laplace-torch's ``glm`` predictive (``torch.func``) works after ``fit``.
+
+Inputs follow laplace-torch's backends too: a tensor is called as ``model(x)``; a dict
+(a Hugging Face-style batch, any ``MutableMapping``) is passed whole, ``model(x)``, and
+must hold the batched input tensor under ``dict_key_x`` (laplace-torch's
+``Laplace(..., dict_key_x=..., dict_key_y=...)``; ``fit`` takes the targets from
+``dict_key_y``); a tuple or list is unpacked, ``model(*x)``, as laplace-torch's
+``torch.func`` Jacobians do. For classification, logits ``[B, ..., C]`` with class
+indices ``[B, ...]`` (or ``[B, 1]`` for ``[B, C]``) are one prediction per position,
+laplace-torch's ``f.view(-1, C)``, ``y.view(-1)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import loss_grad_and_diag_ggn
+from ggnchunk._api import ChunkOptions, _evaluate
+from ggnchunk._dataset import mapping_call
 
 try:
     from laplace.curvature import GGNInterface
@@ -46,8 +56,10 @@ class ChunkedGGN(GGNInterface):
         likelihood: ``"regression"`` or ``"classification"``.
         last_layer: Only the last layer's curvature (set by laplace-torch).
         subnetwork_indices: Indices of the flattened parameters to keep.
-        dict_key_x: laplace-torch's key for dict inputs (not supported here).
-        dict_key_y: laplace-torch's key for dict targets (not supported here).
+        dict_key_x: Key of the batched input tensor in dict inputs (laplace-torch's
+            convention; the whole dict is passed to the model).
+        dict_key_y: Key of the targets in dict batches (read by laplace-torch's
+            ``fit``, which passes them as ``y``).
         stochastic: Must be ``False``: this backend is exact.
         num_samples: Ignored (Monte-Carlo samples of stochastic backends).
         **chunking: Options of :func:`ggnchunk.diag_ggn`: ``max_memory``,
@@ -85,16 +97,20 @@ class ChunkedGGN(GGNInterface):
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x,
                          dict_key_y, stochastic=False, num_samples=num_samples)  # fmt: skip
         self.chunking = chunking
+        self._options = ChunkOptions(**chunking)  # checked here, before any fit
 
     def diag(
-        self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
+        self, x: Tensor | MutableMapping[str, Any] | tuple | list, y: Tensor, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
         """Loss and GGN diagonal of one batch, laplace-torch's convention.
 
         Args:
-            x: Inputs ``[B, ...]``.
-            y: Targets: ``[B, M]`` (or ``[B]`` for one output) for regression, class
-                indices ``[B]`` for classification.
+            x: Inputs: a tensor ``[B, ...]`` (``model(x)``), a dict holding the batched
+                input under ``dict_key_x`` (passed whole, ``model(x)``), or a tuple/list
+                (``model(*x)``).
+            y: Targets: ``[B, M]`` (or ``[B]`` for one output) for regression; class
+                indices ``[B]`` or ``[B, 1]`` for logits ``[B, C]``, ``[B, ...]`` for
+                logits ``[B, ..., C]`` for classification.
             **kwargs: laplace-torch's extra arguments (``N``), unused: sums are returned.
 
         Returns:
@@ -102,28 +118,62 @@ class ChunkedGGN(GGNInterface):
             trainable parameters (of the last layer for last-layer Laplace).
 
         Raises:
-            TypeError: For dict inputs.
-            ValueError: For classification outputs other than ``[B, C]``.
+            KeyError: For a dict without ``dict_key_x``.
+            TypeError: For inputs or targets of an unsupported type.
+            ValueError: For inputs and targets with different batch sizes.
         """
-        if isinstance(x, MutableMapping):
-            raise TypeError(
-                "ChunkedGGN takes tensor inputs; dict inputs (Hugging Face models) are not "
-                "supported. Use laplace-torch's CurvlinopsGGN for those."
-            )
-        model, inputs = self.model, x
+        if not isinstance(y, Tensor):
+            raise TypeError(f"y must be a torch.Tensor of targets, got {type(y).__name__}.")
+        if isinstance(x, Mapping):
+            self._check_dict(x, y)
         if self.last_layer:
             with torch.no_grad():
                 _, features = self.model.forward_with_features(x)
             model, inputs = self.model.last_layer, features.detach()
-        if self.likelihood == "regression" and y.dim() == 1:
-            y = y.unsqueeze(1)  # one output per sample: [B] → [B, 1]
-        loss, _, diag = loss_grad_and_diag_ggn(
-            model, self.lossfunc, inputs, y, **self.chunking
-        )
-        flat = torch.cat([value.flatten() for value in diag.values()])
+        elif isinstance(x, Mapping):
+            model, inputs = mapping_call(self.model, x)  # model(x): the dict whole
+        else:
+            model, inputs = self.model, x
+        if self.likelihood == "regression":
+            if y.dim() == 1:
+                y = y.unsqueeze(1)  # one output per sample: [B] → [B, 1]
+        elif y.dim() == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)  # laplace-torch's y.view(-1) for logits [B, C]
+        elif y.dim() >= 2:
+            model = _ClassesLast(model)  # logits [B, ..., C], indices [B, ...]
+        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0)
+        flat = torch.cat([value.flatten() for value in result.diagonal])
         if self.subnetwork_indices is not None:
             flat = flat[self.subnetwork_indices]
-        return self.factor * loss, self.factor * flat
+        return self.factor * result.loss, self.factor * flat
+
+    def _check_dict(self, x: Mapping[str, Any], y: Tensor) -> None:
+        """Check a dict batch against laplace-torch's ``dict_key_x`` convention.
+
+        Args:
+            x: The dict inputs.
+            y: The targets.
+
+        Raises:
+            KeyError: If ``dict_key_x`` is not a key of ``x``.
+            ValueError: If ``x[dict_key_x]`` is not a tensor with ``y``'s batch size.
+        """
+        if self.dict_key_x not in x:
+            raise KeyError(
+                f"dict inputs have no key dict_key_x={self.dict_key_x!r} (keys: "
+                f"{sorted(map(str, x))}); pass the key of the batched input tensor, e.g. "
+                "Laplace(..., dict_key_x='input_ids', dict_key_y='labels')."
+            )
+        value = x[self.dict_key_x]
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != len(y):
+            shape = (
+                tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            )
+            raise ValueError(
+                f"x[{self.dict_key_x!r}] must be a tensor with the batch on axis 0 "
+                f"({len(y)} samples, as y), got {shape}; set dict_key_x to the key of "
+                "the batched input tensor."
+            )
 
     def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
         """Not available: ChunkedGGN computes the GGN diagonal only.
@@ -140,6 +190,34 @@ class ChunkedGGN(GGNInterface):
             NotImplementedError: Always, saying which backend to use for ``"full"``.
         """
         raise NotImplementedError(_only_diag("full"))
+
+
+class _ClassesLast(nn.Module):
+    """The model with its last axis (classes) moved to axis 1, as cross-entropy needs.
+
+    laplace-torch reads logits ``[B, ..., C]`` as ``f.view(-1, C)`` with targets
+    ``y.view(-1)``; with the classes on axis 1 (``[B, C, ...]``) and targets ``[B, ...]``,
+    the summed cross-entropy and its GGN are the same, and the batch stays on axis 0.
+
+    Args:
+        model: The model (or last layer).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the model; return its output with the last axis moved to axis 1.
+
+        Args:
+            *args: The model's positional arguments.
+            **kwargs: The model's keyword arguments.
+
+        Returns:
+            The logits ``[B, C, ...]``.
+        """
+        return self.model(*args, **kwargs).movedim(-1, 1)
 
 
 def _only_diag(structure: str) -> str:

@@ -46,10 +46,7 @@ def main() -> None:
     reference = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=7)
     error = max(
         float(
-
-                (diag[k] - reference[k]).abs().max()
-                / reference[k].abs().max().clamp_min(1e-30)
-
+            (diag[k] - reference[k]).abs().max() / reference[k].abs().max().clamp_min(1e-30)
         )
         for k in diag
     )

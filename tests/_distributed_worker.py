@@ -39,6 +39,16 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                        for i in range(0, len(shard), 3)]  # fmt: skip
             result = ggnchunk.diag_ggn_dataset(model, loss_func, batches, progress=False,
                                                num_chunks=2)  # fmt: skip
+        elif mode == "global-chunks":  # num_chunks counts the passes of all ranks
+            result, report = ggnchunk.diag_ggn(
+                model, loss_func, x, y, distributed=True, num_chunks=4, return_report=True
+            )
+            torch.save(report.num_passes, Path(out) / f"rank{rank}.passes")
+        elif mode == "three-columns":  # fewer columns than chunks, and a budget
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()
+            result = ggnchunk.diag_ggn(model, loss_func, x, y[:, :3], distributed=True,
+                                       max_memory="256MiB")  # fmt: skip
         else:  # chunk-parallel: same batch everywhere, columns split over the ranks
             result = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
                                        num_chunks=2)  # fmt: skip

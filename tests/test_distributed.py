@@ -51,6 +51,33 @@ def test_two_ranks_equal_one_process(mode):
 
 
 @pytest.mark.slow
+def test_num_chunks_counts_the_passes_of_all_ranks():
+    x, y = data()
+    expected = ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y)
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(2, _free_port(), "global-chunks", folder), nprocs=2,
+                 join=True)  # fmt: skip
+        for rank in range(2):
+            err = Path(folder) / f"rank{rank}.err"
+            assert not err.exists(), err.read_text() if err.exists() else ""
+            result = torch.load(Path(folder) / f"rank{rank}.pt")
+            assert_diag_close(result, expected, rtol=1e-5, label=f"rank {rank}")
+            assert torch.load(Path(folder) / f"rank{rank}.passes") == 2  # 4 in all
+
+
+@pytest.mark.slow
+def test_three_columns_under_a_budget_on_two_ranks():
+    x, y = data()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()
+    expected = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y[:, :3])
+    results, errors = _run("three-columns")
+    assert not errors, errors[0]
+    for rank, result in enumerate(results):
+        assert_diag_close(result, expected, rtol=1e-5, label=f"rank {rank}")
+
+
+@pytest.mark.slow
 def test_ranks_with_different_models_are_refused():
     _, errors = _run("mismatch")
     assert len(errors) == 2

@@ -188,3 +188,58 @@ def test_training_step_after_a_call_has_no_hooks_to_run():
         bp.hook_run_extensions = original
     assert not called
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("where", ["forward", "sweep"])
+def test_keyboard_interrupt_leaves_nothing_behind(monkeypatch, where):
+    """Ctrl-C inside the user's forward or inside a backward sweep: all restored."""
+    model = _model().eval()
+    before = _snapshot(model)
+    if where == "forward":
+        handle = model[3].register_forward_hook(
+            lambda *args: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
+        before = _snapshot(model)
+    else:
+        real = torch.autograd.grad
+
+        def interrupted(*args, **kwargs):
+            if kwargs.get("is_grads_batched"):
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd, "grad", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y, num_chunks=2)
+    assert _snapshot(model) == before
+    assert model[1].inplace is True
+    if where == "forward":
+        handle.remove()
+    monkeypatch.undo()
+    expected = reference_diag_ggn(model, nn.MSELoss(), X, Y)
+    assert_diag_close(ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y), expected, rtol=1e-5)
+
+
+def test_two_threads_on_one_model_get_exact_results():
+    import threading
+
+    model = _model().eval()
+    expected = reference_diag_ggn(model, nn.MSELoss(), X, Y)
+    results, errors = [], []
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                results.append(ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y, num_chunks=2))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(results) == 6
+    for result in results:
+        assert_diag_close(result, expected, rtol=1e-5)

@@ -1,0 +1,119 @@
+"""Every layer rule, over its options, against the float64 brute force.
+
+Each rule's diagonal (fast form), its per-sample products (used for shared parameters)
+and its backpropagation (folded over columns) are exercised: the per-sample form by
+sharing the layer's parameters with a twin, the backpropagation by a layer in front of it.
+Both contraction forms of :func:`ggnchunk._rules.square_sum` (direct and Gram) are
+compared with a plain einsum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk._rules import _use_gram, square_sum
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+LAYERS = {
+    "linear": (lambda: nn.Linear(4, 3), (4,)),
+    "linear-tokens": (lambda: nn.Linear(4, 3), (5, 4)),
+    "linear-no-bias-2-extra-axes": (lambda: nn.Linear(4, 3, bias=False), (2, 3, 4)),
+    "conv1d-stride-dilation": (lambda: nn.Conv1d(2, 4, 3, stride=2, dilation=2), (2, 11)),
+    "conv2d-groups-padding": (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (4, 5, 5)),
+    "conv2d-same-reflect": (
+        lambda: nn.Conv2d(2, 3, (3, 2), padding="same", padding_mode="reflect"),
+        (2, 5, 6),
+    ),
+    "conv2d-circular": (lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular"),
+                        (2, 4, 4)),
+    "conv2d-depthwise": (lambda: nn.Conv2d(3, 3, 3, groups=3), (3, 5, 5)),
+    "conv3d": (lambda: nn.Conv3d(2, 2, 2, stride=(1, 2, 1)), (2, 3, 4, 3)),
+    "convT1d-output-padding": (
+        lambda: nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 4)
+    ),
+    "convT2d-output-padding": (
+        lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1),
+        (3, 4, 4),
+    ),
+    "convT2d-groups-dilation": (
+        lambda: nn.ConvTranspose2d(4, 2, 2, groups=2, dilation=2, stride=(2, 1)),
+        (4, 3, 3),
+    ),
+    "convT3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, output_padding=(1, 0, 1)),
+                (2, 2, 2, 2)),
+    "batchnorm2d-eval": (lambda: nn.BatchNorm2d(3), (3, 4, 4)),
+    "batchnorm1d-tokens-eval": (lambda: nn.BatchNorm1d(3), (3, 5)),
+    "layernorm-2d-shape": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4)),
+    "layernorm-no-bias": (lambda: nn.LayerNorm(4, bias=False), (3, 4)),
+    "groupnorm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3)),
+}  # fmt: skip
+
+
+class _Front(nn.Module):
+    """A layer in front (exercises the rule's backpropagation), the layer, a twin."""
+
+    def __init__(self, layer: nn.Module, shape: tuple[int, ...], shared: bool):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(shape) + 0.5)  # glue parameter in front
+        self.layer = layer
+        self.twin = None
+        if shared:  # same parameters, second call: per-sample products are added
+            self.twin = layer
+
+    def forward(self, x):
+        y = self.layer(torch.tanh(x * self.scale))
+        if self.twin is not None:
+            y = y + torch.sin(self.twin(x))
+        return y
+
+
+def _randomize(layer: nn.Module) -> None:
+    for buffer_name in ("running_mean", "running_var"):
+        buffer = getattr(layer, buffer_name, None)
+        if buffer is not None:
+            buffer.copy_(
+                torch.rand_like(buffer) + (0.5 if buffer_name == "running_var" else 0)
+            )
+    for param in layer.parameters():
+        param.data.normal_()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["single", "shared"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rule_is_exact(name, shared):
+    torch.manual_seed(0)
+    build, shape = LAYERS[name]
+    layer = build().double().eval()
+    with torch.no_grad():
+        _randomize(layer)
+    model = _Front(layer, shape, shared).double().eval()
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randn_like(out)
+    loss_func = nn.MSELoss(reduction="sum")
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    for kwargs in ({}, {"num_chunks": 3}):
+        actual = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} {kwargs}")
+
+
+SHAPES = [(3, 2, 1, 4, 5, 1), (3, 2, 1, 4, 5, 6), (2, 3, 2, 3, 4, 2), (50, 2, 1, 8, 9, 3),
+          (1, 2, 1, 8, 9, 40), (4, 2, 3, 2, 2, 7)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("v", "n", "g", "o", "k", "p"), SHAPES)
+def test_square_sum_forms_agree_with_a_plain_einsum(v, n, g, o, k, p):
+    torch.manual_seed(1)
+    a = torch.randn(v, n, g, o, p, dtype=torch.float64)
+    b = torch.randn(n, g, k, p, dtype=torch.float64)
+    expected = torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+    torch.testing.assert_close(square_sum(a, b), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(square_sum(a, b, {}), expected, rtol=1e-12, atol=0)
+
+
+def test_both_contraction_forms_are_chosen_somewhere():
+    assert _use_gram(100, 2, 1, 8, 9, 3) and not _use_gram(1, 2, 1, 8, 9, 40)
