@@ -18,8 +18,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
+    "BatchNormBase",
     "Edge",
     "GradientEdge",
     "Node",

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
 from ggnchunk._rules import LayerRule, rule_for
@@ -143,7 +143,7 @@ class Problem:
             )
         units: dict[nn.Module, tuple[str, LayerRule]] = {}
         for name, module in model.named_modules():
-            if isinstance(module, _BatchNorm) and (
+            if isinstance(module, BatchNormBase) and (
                 module.training or module.running_mean is None
             ):
                 why = (
