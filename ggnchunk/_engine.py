@@ -315,7 +315,7 @@ class GGNComputation:
         factor = self._require_factor()
         chunk = [torch.zeros_like(p) for p in self._problem.params]
         seed = factor.columns(start, stop)
-        self._recording.sweep(seed, chunk)
+        self._recording.sweep(seed, chunk, mask=factor.squared_mask(start, stop))
         del seed
         for total, value in zip(self.diagonal, chunk, strict=True):
             total.add_(value)

@@ -340,6 +340,7 @@ class Recording:
         seed: Tensor,
         diagonal: list[Tensor] | None,
         visit: Callable[[str, Tensor], None] | None = None,
+        mask: Tensor | None = None,
     ) -> None:
         """Backpropagate ``seed`` (``[V, N, *output]``) and add parameter diagonals.
 
@@ -348,6 +349,8 @@ class Recording:
             diagonal: Accumulators, one per parameter (``None``: only ``visit``).
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
+            mask: For one-hot columns, ``sum_v seed[v]**2`` (``[N or 1, *output]``): the
+                layer that produces the model output takes its diagonal from it.
         """
         v, n = seed.shape[:2]
         outs: dict[EdgeKey, Tensor] = {}
@@ -396,7 +399,17 @@ class Recording:
                 continue
             if visit is not None:
                 visit(f"the output of {_display(call.name)}", grads)
-            if diagonal is not None and call.params:
+            onehot = None
+            if (
+                diagonal is not None and mask is not None and call.params
+                and edge_key(call.out_edge) == self.output_key
+                and not any(i in self.shared for i, _ in call.params)
+            ):  # fmt: skip
+                onehot = call.rule.diag_onehot(call.ctx, mask)
+            if onehot is not None:
+                for i, pname in call.params:
+                    diagonal[i] += onehot[pname]
+            elif diagonal is not None and call.params:
                 if any(i in self.shared for i, _ in call.params):
                     products = call.rule.per_sample(call.ctx, grads)
                     for i, pname in call.params:
@@ -410,7 +423,14 @@ class Recording:
                         diagonal[i] += values[pname]
             if call.leaf is None:
                 continue
-            back = call.rule.backprop(call.ctx, grads)
+            back = None
+            if call.rule.sample_free_backprop and grads.stride(1) == 0:
+                # the same vectors for every sample (MSE's columns): map them once
+                back = call.rule.backprop(call.ctx, grads[:, :1])
+                if back is not None:
+                    back = back.expand(back.shape[0], n, *back.shape[2:])
+            if back is None:
+                back = call.rule.backprop(call.ctx, grads)
             if back is None:
                 (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
             del grads

@@ -230,6 +230,27 @@ class LayerRule(ABC):
         """
         return {k: t.square().sum((0, 1)) for k, t in self.per_sample(ctx, grads).items()}
 
+    sample_free_backprop = False
+    """Whether :meth:`backprop` is the same linear map for every sample (no ``x``)."""
+
+    def diag_onehot(self, ctx: RuleContext, mask: Tensor) -> dict[str, Tensor] | None:
+        """The diagonal when the layer's output is the model output and columns are one-hot.
+
+        Column ``v`` of the square root is ``s_{n,v} e_v``, so ``J_theta(x_n)^T`` of it is
+        one row of the layer's per-sample Jacobian and its square needs ``x**2`` only:
+        the chunk's diagonal is the layer's weight gradient for input ``x**2`` and output
+        gradient ``mask = sum_v s_{n,v}**2 e_v`` — one kernel call, whatever the chunk
+        size.
+
+        Args:
+            ctx: The call's context.
+            mask: ``[N or 1, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [*param.shape]}``, or ``None`` where the rule has no such form.
+        """
+        return None
+
     def backprop(self, ctx: RuleContext, grads: Tensor) -> Tensor | None:
         """The vectors at the layer's input, ``[V, N, *input.shape[1:]]``, or ``None``.
 
@@ -308,8 +329,21 @@ class LinearRule(LayerRule):
             out["bias"] = a.sum(4)[:, :, 0]
         return out
 
+    sample_free_backprop = True
+
     def backprop(self, ctx, grads):
         return grads @ ctx.module.weight.detach()
+
+    def diag_onehot(self, ctx, mask):
+        module, x = ctx.module, ctx.x
+        o, i = mask.shape[-1], x.shape[-1]
+        mask = mask.expand(x.shape[0], *mask.shape[1:]).reshape(-1, o)
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = mask.T @ x.reshape(-1, i).square()
+        if _trainable(module, "bias"):
+            out["bias"] = mask.sum(0)
+        return out
 
     @staticmethod
     def _sizes(ctx: RuleContext) -> tuple[int, int]:
@@ -343,6 +377,29 @@ def _explicit_padding(module: nn.Module, dims: int) -> list[tuple[int, int]]:
             pads.append((total // 2, total - total // 2))
         return pads
     return [(p, p) for p in _tuple(module.padding, dims)]
+
+
+def _weight_gradient_of_squares(
+    ctx: RuleContext, mask: Tensor, transposed: bool
+) -> dict[str, Tensor]:
+    """A convolution's weight gradient for input ``x**2`` and output gradient ``mask``."""
+    module, x = ctx.module, ctx.x
+    dims = x.dim() - 2
+    squares = ctx.extra.get("squares")
+    if squares is None:
+        squares = ctx.extra["squares"] = x.square()
+    mask = mask.expand(x.shape[0], *mask.shape[1:])
+    out = {}
+    if _trainable(module, "weight"):
+        output_padding = _tuple(module.output_padding, dims) if transposed else [0] * dims
+        out["weight"] = torch.ops.aten.convolution_backward(
+            mask, squares, module.weight.detach(), None, _tuple(module.stride, dims),
+            _tuple(module.padding, dims), _tuple(module.dilation, dims), transposed,
+            list(output_padding), module.groups, [False, True, False],
+        )[1]  # fmt: skip
+    if _trainable(module, "bias"):
+        out["bias"] = mask.sum([0, *range(2, mask.dim())])
+    return out
 
 
 class ConvRule(LayerRule):
@@ -400,6 +457,14 @@ class ConvRule(LayerRule):
         if _trainable(module, "bias"):
             out["bias"] = a.sum(4).reshape(v, n, -1)
         return out
+
+    sample_free_backprop = True
+
+    def diag_onehot(self, ctx, mask):
+        module, x = ctx.module, ctx.x
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        return _weight_gradient_of_squares(ctx, mask, transposed=False)
 
     def backprop(self, ctx, grads):
         module, x = ctx.module, ctx.x
@@ -491,6 +556,11 @@ class ConvTransposeRule(LayerRule):
             out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
         return out
 
+    sample_free_backprop = True
+
+    def diag_onehot(self, ctx, mask):
+        return _weight_gradient_of_squares(ctx, mask, transposed=True)
+
     def backprop(self, ctx, grads):
         module, x = ctx.module, ctx.x
         dims = x.dim() - 2
@@ -572,6 +642,8 @@ class BatchNormRule(_NormRule):
 
     def _sum_axes(self, ctx, grads):
         return tuple(range(3, grads.dim()))
+
+    sample_free_backprop = True
 
     def backprop(self, ctx, grads):
         module = ctx.module

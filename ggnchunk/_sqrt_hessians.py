@@ -25,6 +25,22 @@ __all__ = ["LOSSES", "LossSqrtHessian", "SqrtHessianFactor", "lookup_loss"]
 class SqrtHessianFactor(ABC):
     """The square root of one batch's loss Hessian, built column range by range."""
 
+    def squared_mask(self, start: int, stop: int) -> Tensor | None:
+        """``sum_v S[v]**2`` over columns ``start:stop`` if each column is one-hot.
+
+        For losses whose Hessian is diagonal in the output coordinates (MSE, BCE) column
+        ``v`` is ``s_n e_v``; a layer producing the model output can then form its
+        diagonal from this mask alone (see :meth:`ggnchunk._rules.LayerRule.diag_onehot`).
+
+        Args:
+            start: First column (inclusive).
+            stop: Last column (exclusive).
+
+        Returns:
+            ``[N or 1, *output_shape[1:]]``, or ``None`` if columns are not one-hot.
+        """
+        return None
+
     num_columns: int
     """Number of columns ``V`` of the square root (per sample)."""
 
@@ -147,6 +163,11 @@ class _DiagonalFactor(SqrtHessianFactor):
         result[local, :, local + start] = self._sqrt[:, start:stop].T
         return result.view(count, *self._shape)
 
+    def squared_mask(self, start: int, stop: int) -> Tensor:
+        mask = torch.zeros_like(self._sqrt)
+        mask[:, start:stop] = self._sqrt[:, start:stop].square()
+        return mask.view(self._shape)
+
 
 class _ScaledIdentityFactor(SqrtHessianFactor):
     """Square root ``c * I``, the same for every sample: stored once, expanded over N.
@@ -176,6 +197,11 @@ class _ScaledIdentityFactor(SqrtHessianFactor):
             .expand(count, self._batch, self._features)
             .view(count, *self._shape)
         )
+
+    def squared_mask(self, start: int, stop: int) -> Tensor:
+        mask = torch.zeros(1, self._features, dtype=self._dtype, device=self._device)
+        mask[:, start:stop] = self._value**2
+        return mask.view(1, *self._shape[1:])
 
 
 class MSELossSqrtHessian(LossSqrtHessian):
