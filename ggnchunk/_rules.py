@@ -461,7 +461,7 @@ class ConvRule(LayerRule):
     sample_free_backprop = True
 
     def diag_onehot(self, ctx, mask):
-        module, x = ctx.module, ctx.x
+        module = ctx.module
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             return None
         return _weight_gradient_of_squares(ctx, mask, transposed=False)
