@@ -133,7 +133,7 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
 
 def _compute(
     problem: Problem, batch: Batch, targets: Tensor, options: ChunkOptions, scale: float,
-    need_gradient: bool, group=None,
+    need_gradient: bool, group=None, per_sample: bool = False,
 ) -> tuple[list[Tensor], Tensor, list[Tensor], GGNReport]:  # fmt: skip
     """Every sub-batch: forward, then the scheduled backward passes; summed results.
 
@@ -146,6 +146,7 @@ def _compute(
     )  # fmt: skip
     params = problem.params
     total = [torch.zeros_like(p) for p in params]
+    parts: list[list[Tensor]] = []  # per-sample diagonals of the sub-batches
     gradient = [torch.zeros_like(p) for p in params]
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
     mean = problem.loss_func.reduction == "mean"
@@ -154,7 +155,7 @@ def _compute(
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop]
-        run = GGNComputation(problem, part, sub_targets, scale)
+        run = GGNComputation(problem, part, sub_targets, scale, per_sample)
         with run:
             run.forward()
         columns = run.num_columns
@@ -186,13 +187,18 @@ def _compute(
             float(problem.handler.normalizer(problem.loss_func, sub_targets)) if mean else 1
         )
         loss += factor * run.loss
-        for acc, value in zip(total, run.diagonal, strict=True):
-            acc.add_(value)
+        if per_sample:
+            parts.append(run.diagonal)
+        else:
+            for acc, value in zip(total, run.diagonal, strict=True):
+                acc.add_(value)
         if need_gradient:
             for acc, grad in zip(gradient, grads, strict=True):
                 if grad is not None:
                     acc.add_(grad, alpha=factor)
         del run
+    if per_sample:
+        total = [torch.cat(values) for values in zip(*parts, strict=True)]
     if group is not None:
         all_reduce_sum(total, None, group)
     return total, loss, gradient, report
@@ -210,6 +216,7 @@ def diag_ggn(
     batch_chunk_size: int | None = None,
     recover_oom: bool = True,
     distributed: bool = False,
+    per_sample: bool = False,
     return_report: bool = False,
 ) -> dict[str, Tensor] | tuple[dict[str, Tensor], GGNReport]:
     """Exact diagonal of the generalized Gauss-Newton matrix of a batch's loss.
@@ -258,12 +265,17 @@ def diag_ggn(
             batch and its share of the columns, then the diagonals are summed with one
             ``all_reduce``; every rank returns the full result. ``False`` (default):
             no communication.
+        per_sample: Return each sample's own GGN diagonal, ``[N, *param.shape]`` per
+            parameter (``diag(J_n^T H_n J_n)``; they add up to the batch's diagonal).
+            The result is ``N`` times larger and every parameter takes the per-sample
+            products' path; the memory budget counts both.
         return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
 
     Returns:
         One tensor per parameter with ``requires_grad``, keyed and ordered as
-        ``model.named_parameters()``, each with the parameter's shape, dtype and device;
-        with ``return_report=True``, the pair ``(diagonal, report)``.
+        ``model.named_parameters()``, each with the parameter's shape (``[N, *shape]``
+        with ``per_sample=True``), dtype and device; with ``return_report=True``, the
+        pair ``(diagonal, report)``.
 
     Raises:
         TypeError: For arguments of the wrong type (the message names the argument).
@@ -284,7 +296,9 @@ def diag_ggn(
     options = ChunkOptions(
         num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
     )
-    result = _evaluate(model, loss_func, inputs, targets, options)
+    if not isinstance(per_sample, bool):
+        raise TypeError(f"per_sample must be True or False, got {per_sample!r}.")
+    result = _evaluate(model, loss_func, inputs, targets, options, per_sample=per_sample)
     diagonal = dict(zip(result.names, result.diagonal, strict=True))
     return (diagonal, result.report) if return_report else diagonal
 
@@ -345,7 +359,7 @@ def loss_grad_and_diag_ggn(
 
 def _evaluate(
     model, loss_func, inputs, targets, options: ChunkOptions,
-    scale: float | None = None, need_gradient: bool = False,
+    scale: float | None = None, need_gradient: bool = False, per_sample: bool = False,
 ) -> _Evaluation:  # fmt: skip
     """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
     problem = Problem.build(model, loss_func)
@@ -353,6 +367,7 @@ def _evaluate(
         list(zip(problem.names, problem.params, strict=True)), inputs, targets
     )
     group = resolve_group(True, model) if options.distributed else None
+    loss_func = problem.loss_func
     normalizer = 1.0
     if loss_func.reduction == "mean":
         normalizer = float(problem.handler.normalizer(loss_func, targets))
@@ -362,6 +377,7 @@ def _evaluate(
     # dtype (float32 for a float32 model under autocast), as the README says
     with model_lock(model), torch.autocast(problem.device.type, enabled=False):
         total, loss, gradient, report = _compute(
-            problem, batch, targets.detach(), options, scale, need_gradient, group
-        )
+            problem, batch, targets.detach(), options, scale, need_gradient, group,
+            per_sample,
+        )  # fmt: skip
     return _Evaluation(loss, gradient, total, report, normalizer, problem.names)

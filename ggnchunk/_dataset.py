@@ -27,9 +27,9 @@ from ggnchunk._distributed import all_reduce_sum, resolve_group
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
 
-_PAIRS_OR_DICTS = (
-    "(inputs, targets) pairs (inputs: a tensor, a tuple/list of model arguments or a dict "
-    "of keyword arguments) or dict batches holding the targets under dict_key_y"
+_PAIR_OR_DICT = (
+    "an (inputs, targets) pair (inputs: a tensor, a tuple/list of model arguments or a "
+    "dict of keyword arguments) or a dict batch holding the targets under dict_key_y"
 )
 
 
@@ -96,7 +96,7 @@ def mapping_call(model: nn.Module, batch: Mapping) -> tuple[nn.Module, dict[str,
 
 
 def split_batch(
-    batch: Any, dict_key_x: str, dict_key_y: str, argument: str = "data"
+    batch: Any, dict_key_x: str, dict_key_y: str, where: str = "each batch of data"
 ) -> tuple[Any, Tensor, bool]:
     """Inputs and targets of one loader batch.
 
@@ -106,7 +106,7 @@ def split_batch(
             ``dict_key_x``, the whole dict passed to the model).
         dict_key_x: Key of the batched input tensor in dict batches.
         dict_key_y: Key of the targets in dict batches.
-        argument: The argument named in error messages.
+        where: What the batch is, for error messages.
 
     Returns:
         ``(inputs, targets, whole)``: ``whole`` is ``True`` for a dict batch, whose
@@ -121,14 +121,14 @@ def split_batch(
         for name, key in (("dict_key_y", dict_key_y), ("dict_key_x", dict_key_x)):
             if key not in batch:
                 raise KeyError(
-                    f"{argument} yielded a dict batch without the key {name}={key!r} "
+                    f"{where} is a dict without the key {name}={key!r} "
                     f"(keys: {sorted(map(str, batch))}); pass {name}=<the key of the "
                     f"{'targets' if name == 'dict_key_y' else 'batched input tensor'}>."
                 )
         targets, first = batch[dict_key_y], batch[dict_key_x]
         if not isinstance(targets, Tensor):
             raise TypeError(
-                f"{argument} yielded a dict batch whose {dict_key_y!r} entry "
+                f"{where} is a dict whose {dict_key_y!r} entry "
                 f"(dict_key_y) is a {type(targets).__name__}, not a tensor of targets; "
                 "return tensors from the collate function."
             )
@@ -138,7 +138,7 @@ def split_batch(
                 tuple(first.shape) if isinstance(first, Tensor) else type(first).__name__
             )
             raise ValueError(
-                f"{argument} yielded a dict batch whose {dict_key_x!r} entry (dict_key_x) "
+                f"{where} is a dict whose {dict_key_x!r} entry (dict_key_x) "
                 f"has shape {shape} but the targets have shape {tuple(targets.shape)}; "
                 "dict_key_x must name a tensor with the batch on axis 0, as long as the "
                 "targets under dict_key_y."
@@ -148,7 +148,7 @@ def split_batch(
         inputs, targets = batch
         if not isinstance(targets, Tensor):
             raise TypeError(
-                f"{argument} yielded a pair whose second item (the targets) is a "
+                f"{where} is a pair whose second item (the targets) is a "
                 f"{type(targets).__name__}, not a tensor; yield (inputs, targets) pairs."
             )
         return inputs, targets, False
@@ -158,7 +158,7 @@ def split_batch(
         else type(batch).__name__
     )
     raise TypeError(
-        f"{argument} must yield {_PAIRS_OR_DICTS}; got {what}. Pack several model "
+        f"{where} must be {_PAIR_OR_DICT}; got {what}. Pack several model "
         "inputs as ((x1, x2), targets) or yield dicts."
     )
 
@@ -264,7 +264,7 @@ class DiagGGNAccumulator:
         model, whole = self.model, False
         if targets is None:
             inputs, targets, whole = split_batch(
-                inputs, self.dict_key_x, self.dict_key_y, argument="update(batch)"
+                inputs, self.dict_key_x, self.dict_key_y, where="update()'s batch"
             )
             if whole:
                 model, inputs = mapping_call(self.model, inputs)

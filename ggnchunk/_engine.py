@@ -29,7 +29,12 @@ from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
 from ggnchunk._rules import LayerRule, rule_for
-from ggnchunk._sqrt_hessians import LossSqrtHessian, SqrtHessianFactor, lookup_loss
+from ggnchunk._sqrt_hessians import (
+    LossSqrtHessian,
+    SqrtHessianFactor,
+    as_loss_module,
+    lookup_loss,
+)
 
 __all__ = ["GGNComputation", "Problem", "model_lock"]
 
@@ -108,6 +113,7 @@ class Problem:
                 f"model must be a torch.nn.Module, got {type(model).__name__}. Wrap a "
                 "function in an nn.Module."
             )
+        loss_func = as_loss_module(loss_func)
         handler = lookup_loss(loss_func)
         handler.check(loss_func)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -179,20 +185,29 @@ class GGNComputation:
         targets: Its targets.
         scale: Factor of the loss Hessian: ``1`` for ``reduction="sum"``,
             ``1 / normalizer`` of the whole batch for ``"mean"``.
+        per_sample: Each sample's diagonal, ``[N, *param.shape]`` per parameter.
     """
 
-    def __init__(self, problem: Problem, batch: Batch, targets: Tensor, scale: float):
+    def __init__(
+        self,
+        problem: Problem,
+        batch: Batch,
+        targets: Tensor,
+        scale: float,
+        per_sample: bool = False,
+    ):
         self._problem = problem
         self._batch = batch
         self._targets = targets.detach()
         self._scale = scale
-        self._recording = Recording(problem.units, problem.params, batch.size)
+        self._per_sample = per_sample
+        self._recording = Recording(problem.units, problem.params, batch.size, per_sample)
         self._inplace: list[nn.Module] = []
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
         self.loss: Tensor | None = None
-        self.diagonal: list[Tensor] = [torch.zeros_like(p) for p in problem.params]
+        self.diagonal: list[Tensor] = self._zeros()
 
     # -- set-up and tear-down -------------------------------------------------------------
     def __enter__(self) -> GGNComputation:
@@ -263,10 +278,23 @@ class GGNComputation:
                 "the cast from forward."
             )
         problem.handler.check_shapes(problem.loss_func, output, self._targets)
+        with torch.enable_grad():
+            try:
+                self._loss = problem.loss_func(output, self._targets)
+            except (RuntimeError, ValueError, IndexError, TypeError) as error:
+                raise ValueError(
+                    f"loss_func ({type(problem.loss_func).__name__}) fails on the model "
+                    f"output of shape {tuple(output.shape)} and targets of shape "
+                    f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} Check "
+                    "the targets' shape and dtype for this loss."
+                ) from error
+        if self._loss.dim() != 0:
+            raise ValueError(
+                f"loss_func returned a tensor of shape {tuple(self._loss.shape)}; ggnchunk "
+                "needs a scalar loss (reduction='mean' or 'sum')."
+            )
         self._recording.plan(output)
         self._recording.check_independent(output)
-        with torch.enable_grad():
-            self._loss = problem.loss_func(output, self._targets)
         self.loss = self._loss.detach()
         self._output = output
         self._factor = problem.handler.factorize(
@@ -296,7 +324,16 @@ class GGNComputation:
         """
         element = self._output.element_size()
         params = sum(p.numel() for p in self._problem.params) * element
+        if self._per_sample:
+            params *= self._batch.size
         return self._recording.fixed_bytes(element) + 2 * params
+
+    def _zeros(self) -> list[Tensor]:
+        params = self._problem.params
+        if self._per_sample:
+            n = self._batch.size
+            return [p.new_zeros(n, *p.shape) for p in params]
+        return [torch.zeros_like(p) for p in params]
 
     def _require_factor(self) -> SqrtHessianFactor:
         if self._factor is None:
@@ -313,7 +350,7 @@ class GGNComputation:
             stop: Last column (exclusive).
         """
         factor = self._require_factor()
-        chunk = [torch.zeros_like(p) for p in self._problem.params]
+        chunk = self._zeros()
         seed = factor.columns(start, stop)
         self._recording.sweep(seed, chunk, mask=factor.squared_mask(start, stop))
         del seed

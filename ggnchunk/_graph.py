@@ -92,6 +92,8 @@ class Recording:
         units: ``{module: (qualified name, rule)}``.
         params: The trainable parameters, in ``named_parameters()`` order.
         batch: Number of samples ``N`` in the forward pass.
+        per_sample: Keep each sample's diagonal (``[N, *param.shape]`` accumulators):
+            every parameter then takes the per-sample products' path.
     """
 
     def __init__(
@@ -99,7 +101,9 @@ class Recording:
         units: dict[nn.Module, tuple[str, LayerRule]],
         params: list[nn.Parameter],
         batch: int,
+        per_sample: bool = False,
     ):
+        self.per_sample = per_sample
         self._units = units
         self._params = params
         self._param_index = {id(p): i for i, p in enumerate(params)}
@@ -220,7 +224,7 @@ class Recording:
             self._walk(source)
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
-        self.shared = {i for i, count in uses.items() if count > 1}
+        self.shared = {i for i, count in uses.items() if count > 1 or self.per_sample}
         self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
 
     def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
@@ -445,8 +449,9 @@ class Recording:
                     visit(f"the input of {_display(call.name)}", pending)
                 push(key, pending)
         if diagonal is not None:
+            axes = 0 if self.per_sample else (0, 1)
             for i, value in buffers.items():
-                diagonal[i] += value.square().sum((0, 1))
+                diagonal[i] += value.square().sum(axes)
 
     def gradient(self, seed: Tensor) -> list[Tensor | None]:
         """The loss gradient: ``seed`` (``dL/doutput``) backpropagated to the parameters.

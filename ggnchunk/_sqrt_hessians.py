@@ -12,12 +12,17 @@ A new loss is one new :class:`LossSqrtHessian` subclass registered in ``LOSSES``
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from ggnchunk._autograd import quiet_autograd
+from ggnchunk.losses import GaussianNLL
 
 __all__ = ["LOSSES", "LossSqrtHessian", "SqrtHessianFactor", "lookup_loss"]
 
@@ -399,37 +404,250 @@ class CrossEntropyLossSqrtHessian(LossSqrtHessian):
         return _SoftmaxFactor(torch.softmax(output, dim=1), factor)
 
 
+class GaussianNLLSqrtHessian(LossSqrtHessian):
+    """:class:`ggnchunk.losses.GaussianNLL`: the likelihood's Fisher, diagonal.
+
+    Per coordinate, ``1 / var`` for the mean and ``1 / 2`` for the log-variance (see
+    :mod:`ggnchunk.losses` for why the Fisher and not the NLL's Hessian).
+    """
+
+    loss_class = GaussianNLL
+
+    def check(self, loss_func: nn.Module) -> None:
+        _reduction_checked(loss_func)
+
+    def check_shapes(self, loss_func, output, target) -> None:
+        if output.dim() < 2 or output.shape[1] != 2:
+            raise ValueError(
+                f"GaussianNLL needs model outputs of shape [N, 2, ...] (mean and "
+                f"log-variance on axis 1); got {tuple(output.shape)}."
+            )
+        expected = (output.shape[0], *output.shape[2:])
+        if tuple(target.shape) != expected:
+            raise ValueError(
+                f"targets have shape {tuple(target.shape)}; for model outputs of shape "
+                f"{tuple(output.shape)} GaussianNLL needs {expected} (axis 1 of the output "
+                "holds mean and log-variance)."
+            )
+
+    def normalizer(self, loss_func, target) -> Tensor:
+        return torch.tensor(float(target.numel()))
+
+    def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
+        var = output[:, 1].exp().clamp(min=loss_func.eps)
+        fisher = torch.stack([1.0 / var, torch.full_like(var, 0.5)], dim=1)
+        return _DiagonalFactor((fisher * float(scale)).sqrt())
+
+
 LOSSES: dict[type[nn.Module], LossSqrtHessian] = {
     handler.loss_class: handler
     for handler in (
         MSELossSqrtHessian(),
         BCEWithLogitsLossSqrtHessian(),
         CrossEntropyLossSqrtHessian(),
+        GaussianNLLSqrtHessian(),
     )
 }
 """Registry: loss class (exact type) → its Hessian square root."""
 
 
-def lookup_loss(loss_func: object) -> LossSqrtHessian:
-    """Return the handler for ``loss_func``, or raise an error that lists the options.
+class NotConvexWarning(UserWarning):
+    """A loss Hessian had negative eigenvalues; the GGN used its positive part."""
+
+
+class FunctionLoss(nn.Module):
+    """A loss function ``fn(output, target)`` that sums per-sample terms, as a module.
 
     Args:
-        loss_func: The user's loss.
+        fn: The function; checked after the forward pass to be a sum over samples.
+    """
+
+    reduction = "sum"
+
+    def __init__(self, fn: Callable[[Tensor, Tensor], Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, output: Tensor, target: Tensor) -> Tensor:
+        """``fn(output, target)``.
+
+        Args:
+            output: Model output ``[N, ...]``.
+            target: Targets ``[N, ...]``.
+
+        Returns:
+            Scalar loss.
+        """
+        return self.fn(output, target)
+
+
+class _DenseFactor(SqrtHessianFactor):
+    """Per-sample square roots ``S_n`` (``[N, D, D]``, column ``v`` is ``S_n[:, v]``)."""
+
+    def __init__(self, sqrt: Tensor, shape: torch.Size):
+        self._sqrt = sqrt
+        self._shape = shape
+        self.num_columns = sqrt.shape[2]
+        self._column_numel = sqrt.shape[0] * sqrt.shape[1]
+        self._element_size = sqrt.element_size()
+
+    def columns(self, start: int, stop: int) -> Tensor:
+        part = self._sqrt[:, :, start:stop].permute(2, 0, 1)
+        return part.reshape(stop - start, *self._shape)
+
+
+_DENSE_LIMIT = 2048  # outputs per sample up to which a non-diagonal Hessian is factorized
+
+
+class AutogradLossSqrtHessian(LossSqrtHessian):
+    """Any twice-differentiable loss that is a sum or mean of per-sample terms.
+
+    Each sample's term ``l_n(f_n)`` is the loss (with ``reduction="sum"``) of that sample
+    alone; the whole batch's loss is checked to equal their sum (or, for
+    ``reduction="mean"``, their sum over the number of target elements) at the forward
+    pass's outputs, so a loss that couples samples is refused. Its Hessian comes from
+    ``torch.func``: when it is diagonal (elementwise losses such as ``HuberLoss``,
+    ``SmoothL1Loss``, ``PoissonNLLLoss``; tested with a random vector) only the diagonal
+    is formed, one Hessian-vector product per sample, so pixel outputs stay cheap;
+    otherwise the per-sample ``D x D`` Hessian (``D`` outputs per sample, at most 2,048)
+    is factorized by a symmetric eigendecomposition. Negative eigenvalues (the loss is
+    not convex in the output there) are set to zero — the GGN with the positive part of
+    the loss Hessian, positive semi-definite as a curvature must be — and a
+    :class:`NotConvexWarning` says so.
+    """
+
+    loss_class = nn.Module
+
+    def check(self, loss_func: nn.Module) -> None:
+        _reduction_checked(loss_func)
+
+    def check_shapes(self, loss_func, output, target) -> None:
+        if target.shape[0] != output.shape[0]:
+            raise ValueError(
+                f"targets have batch size {target.shape[0]} but the model output has "
+                f"{output.shape[0]}; pass one target per sample."
+            )
+
+    def normalizer(self, loss_func, target) -> Tensor:
+        return torch.tensor(float(target.numel()))
+
+    @staticmethod
+    def _per_sample(loss_func: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+        summed = loss_func
+        if getattr(loss_func, "reduction", "sum") != "sum":
+            summed = copy.copy(loss_func)  # shares parameters and buffers
+            summed.reduction = "sum"
+        return lambda f, t: summed(f.unsqueeze(0), t.unsqueeze(0))
+
+    def factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
+        with quiet_autograd():
+            return self._factorize(loss_func, output, target, scale)
+
+    def _factorize(self, loss_func, output, target, scale) -> SqrtHessianFactor:
+        term = self._per_sample(loss_func)
+        func = torch.func
+        terms = func.vmap(term)(output, target)
+        total = loss_func(output, target).detach()
+        divisor = target.numel() if loss_func.reduction == "mean" else 1
+        expected = terms.sum() / divisor
+        tolerance = (
+            1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
+        )
+        if not torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3):
+            raise ValueError(
+                f"loss_func ({type(loss_func).__name__}) is not a "
+                f"{'mean' if divisor > 1 else 'sum'} of per-sample terms: the batch's loss "
+                f"is {float(total):.6g}, the per-sample losses give {float(expected):.6g}. "
+                "ggnchunk needs loss(output, target) = sum over samples of "
+                "loss(output[n:n+1], target[n:n+1]) (or that sum over the number of "
+                "target elements for reduction='mean'); losses that couple samples have "
+                "no per-sample GGN."
+                + (
+                    " A plain function is taken as a sum over samples: for a mean, pass "
+                    "functools.partial(fn, reduction='sum') and rescale, or a loss module "
+                    "with reduction='mean'."
+                    if isinstance(loss_func, FunctionLoss)
+                    else ""
+                )
+            )
+
+        def hvp(f: Tensor, t: Tensor, v: Tensor) -> Tensor:  # reverse over reverse
+            return func.vjp(lambda g: func.grad(term)(g, t), f)[1](v)[0]
+
+        batched = func.vmap(hvp)
+        diag = batched(output, target, torch.ones_like(output))
+        probe = torch.rand_like(output) + 0.5
+        atol = tolerance * float(diag.abs().max().clamp_min(1e-30))
+        if torch.allclose(batched(output, target, probe), diag * probe, tolerance, atol):
+            hess = diag * float(scale)
+            if bool((hess < 0).any()):
+                self._warn_not_convex(loss_func)
+            return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
+        size = output[0].numel()
+        if size > _DENSE_LIMIT:
+            raise ValueError(
+                f"the Hessian of loss_func ({type(loss_func).__name__}) w.r.t. each "
+                f"sample's {size} outputs is not diagonal, and factorizing {size} x "
+                f"{size} per sample exceeds ggnchunk's limit of {_DENSE_LIMIT} outputs. "
+                "Use a loss that acts elementwise, or fewer outputs per sample."
+            )
+        hess = func.vmap(func.hessian(term))(output, target).reshape(-1, size, size)
+        hess = 0.5 * (hess + hess.transpose(1, 2)) * float(scale)
+        values, vectors = torch.linalg.eigh(hess)
+        if bool((values < -tolerance * values.abs().amax().clamp_min(1e-30)).any()):
+            self._warn_not_convex(loss_func)
+        sqrt = vectors * values.clamp_min(0.0).sqrt().unsqueeze(1)
+        return _DenseFactor(sqrt, output.shape)
+
+    @staticmethod
+    def _warn_not_convex(loss_func: nn.Module) -> None:
+        warnings.warn(
+            f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) w.r.t. the "
+            "model output has negative eigenvalues at some samples (the loss is not "
+            "convex there); the GGN uses its positive part (negative eigenvalues set to "
+            "0), which keeps the curvature positive semi-definite.",
+            NotConvexWarning,
+            stacklevel=2,
+        )
+
+
+_AUTOGRAD = AutogradLossSqrtHessian()
+
+
+def as_loss_module(loss_func: object) -> nn.Module:
+    """The user's loss as a module: a plain function becomes a :class:`FunctionLoss`.
+
+    Args:
+        loss_func: A loss module or a function ``fn(output, target) -> scalar``.
 
     Returns:
-        The registered handler for the loss's exact class.
+        A module with a ``reduction`` attribute.
 
     Raises:
-        TypeError: If the loss's class is not registered.
+        TypeError: If ``loss_func`` is neither.
     """
-    handler = LOSSES.get(type(loss_func))
-    if handler is None:
-        names = ", ".join(f"nn.{cls.__name__}" for cls in LOSSES)
-        hint = ""
-        if isinstance(loss_func, Callable) and not isinstance(loss_func, nn.Module):
-            hint = " Pass a loss module (e.g. nn.MSELoss()), not a function."
-        raise TypeError(
-            f"loss_func of type {type(loss_func).__name__} is not supported. Supported "
-            f"losses: {names}.{hint}"
-        )
-    return handler
+    if isinstance(loss_func, nn.Module):
+        return loss_func
+    if callable(loss_func):
+        return FunctionLoss(loss_func)
+    raise TypeError(
+        f"loss_func must be a loss module (e.g. nn.MSELoss()) or a function "
+        f"loss(output, target) -> scalar, got {type(loss_func).__name__}."
+    )
+
+
+def lookup_loss(loss_func: object) -> LossSqrtHessian:
+    """Return the handler for ``loss_func``: a closed form if registered, else autograd.
+
+    Args:
+        loss_func: The user's loss module (see :func:`as_loss_module`).
+
+    Returns:
+        The registered handler for the loss's exact class, or the autograd handler.
+
+    Raises:
+        TypeError: If ``loss_func`` is not a module.
+    """
+    if not isinstance(loss_func, nn.Module):
+        raise TypeError(f"loss_func must be a loss module, got {type(loss_func).__name__}.")
+    return LOSSES.get(type(loss_func), _AUTOGRAD)

@@ -1,0 +1,174 @@
+"""Beyond the three closed-form losses: any loss, GaussianNLL, per-sample diagonals.
+
+Every result is compared with the float64 brute force of ``tests/reference.py`` (the
+batch loss's Hessian w.r.t. each sample's output from ``torch.func.hessian``), or, for
+the Gaussian likelihood's Fisher and the positive part of a non-convex loss's Hessian,
+with a brute force written out here from per-sample Jacobians.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+import ggnchunk
+from ggnchunk._sqrt_hessians import FunctionLoss, NotConvexWarning
+from ggnchunk.losses import GaussianNLL
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+
+def _model(outputs: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, outputs)).double()
+
+
+X = torch.randn(5, 3, dtype=torch.float64)
+
+
+def _coupled_outputs(output, target):  # a non-diagonal Hessian: coordinates interact
+    return ((output.sum(1) - target.sum(1)) ** 2).sum() + (output**2).sum()
+
+
+def _squared_sum(output, target):
+    return ((output - target) ** 2).sum()
+
+
+LOSSES = {
+    "huber-mean": (lambda: nn.HuberLoss(delta=0.5), lambda o: torch.randn_like(o)),
+    "smoothl1-sum": (lambda: nn.SmoothL1Loss(reduction="sum", beta=0.3),
+                     lambda o: torch.randn_like(o)),
+    "poisson-log-input": (lambda: nn.PoissonNLLLoss(), lambda o: torch.rand_like(o) * 3),
+    "poisson-rate": (lambda: nn.PoissonNLLLoss(log_input=False),
+                     lambda o: torch.rand_like(o) * 3),
+    "function-sum": (lambda: _squared_sum, lambda o: torch.randn_like(o)),
+    "function-non-diagonal": (lambda: _coupled_outputs, lambda o: torch.randn_like(o)),
+}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # the brute force's vmap
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_any_convex_loss_is_exact(name):
+    make_loss, make_target = LOSSES[name]
+    model = _model()
+    if name == "poisson-rate":  # positive rates
+        model = nn.Sequential(model, nn.Softplus())
+    with torch.no_grad():
+        out = model(X)
+    torch.manual_seed(1)
+    targets = make_target(out)
+    loss = make_loss()
+    module = loss if isinstance(loss, nn.Module) else FunctionLoss(loss)
+    expected = reference_diag_ggn(model, module, X, targets)
+    for kwargs in ({}, {"num_chunks": 3}, {"max_memory": "64MiB", "batch_chunk_size": 2}):
+        actual = ggnchunk.diag_ggn(model, loss, X, targets, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {kwargs}")
+
+
+def _jacobians(model, x):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return [jacrev(lambda p, n=n: functional_call(model, p, (x[n : n + 1],))[0])(params)
+            for n in range(x.shape[0])]  # fmt: skip
+
+
+def test_non_convex_loss_uses_the_positive_part_and_warns():
+    model = _model(2)
+
+    def cosine(output, target):  # Hessian -cos(o) per coordinate: negative where cos > 0
+        return torch.cos(output - target).sum()
+
+    targets = torch.zeros(5, 2, dtype=torch.float64)
+    with pytest.warns(NotConvexWarning, match="positive part"):
+        actual = ggnchunk.diag_ggn(model, cosine, X, targets, num_chunks=2)
+    with torch.no_grad():
+        hess = (-torch.cos(model(X))).clamp_min(0)  # [N, 2], diagonal per sample
+    expected = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+    for n, jac in enumerate(_jacobians(model, X)):
+        for k, j in jac.items():
+            j = j.reshape(2, -1)
+            expected[k] += (hess[n][:, None] * j * j).sum(0).reshape(expected[k].shape)
+    assert_diag_close(actual, expected, rtol=1e-9)
+
+
+def test_loss_coupling_samples_is_refused():
+    def coupled(output, target):
+        return ((output - output.mean(0)) ** 2).sum()
+
+    with pytest.raises(ValueError, match="not a sum of per-sample terms"):
+        ggnchunk.diag_ggn(_model(), coupled, X, torch.zeros(5, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gaussian_nll_uses_the_fisher(reduction):
+    torch.manual_seed(2)
+    model = nn.Sequential(_model(2 * 3), nn.Unflatten(1, (2, 3)))
+    targets = torch.randn(5, 3, dtype=torch.float64)
+    loss = GaussianNLL(reduction=reduction)
+    with torch.no_grad():
+        out = model(X)
+        reference_loss = nn.GaussianNLLLoss(reduction=reduction)(
+            out[:, 0], targets, out[:, 1].exp()
+        )
+    torch.testing.assert_close(loss(out, targets), reference_loss)
+    norm = targets.numel() if reduction == "mean" else 1
+    fisher = torch.stack([1 / out[:, 1].exp(), torch.full_like(out[:, 1], 0.5)], 1) / norm
+    expected = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+    for n, jac in enumerate(_jacobians(model, X)):
+        for k, j in jac.items():
+            j = j.reshape(6, -1)
+            f = fisher[n].reshape(6, 1)
+            expected[k] += (f * j * j).sum(0).reshape(expected[k].shape)
+    for kwargs in ({}, {"chunk_size": 1}, {"max_memory": "64MiB"}):
+        actual = ggnchunk.diag_ggn(model, loss, X, targets, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-9, label=str(kwargs))
+
+
+def test_gaussian_nll_shapes_are_checked():
+    model = _model(3)
+    with pytest.raises(ValueError, match=r"\[N, 2, \.\.\.\]"):
+        ggnchunk.diag_ggn(model, GaussianNLL(), X, torch.zeros(5, 3, dtype=torch.float64))
+
+
+PER_SAMPLE_MODELS = {
+    "mlp-mse": (lambda: _model(), nn.MSELoss(), lambda o: torch.randn_like(o)),
+    "conv-tied-ce": (None, nn.CrossEntropyLoss(reduction="sum"), None),
+}
+
+
+class _TiedConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)).mean((2, 3))
+        return self.head(h) + torch.nn.functional.linear(h, self.head.weight) * 0.5
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 3, "batch_chunk_size": 2},
+                                    {"max_memory": "64MiB"}])  # fmt: skip
+@pytest.mark.parametrize("case", ["mlp-mse", "conv-tied-ce"])
+def test_per_sample_diagonals(case, kwargs):
+    torch.manual_seed(3)
+    if case == "mlp-mse":
+        model, loss, x = _model(), nn.MSELoss(), X
+        with torch.no_grad():
+            targets = torch.randn_like(model(x))
+    else:
+        model, loss = _TiedConv().double(), nn.CrossEntropyLoss(reduction="sum")
+        x = torch.randn(4, 2, 4, 4, dtype=torch.float64)
+        targets = torch.randint(0, 4, (4,))
+    actual = ggnchunk.diag_ggn(model, loss, x, targets, per_sample=True, **kwargs)
+    n = x.shape[0]
+    sum_loss = type(loss)(reduction="sum")
+    scale = 1.0 / targets.numel() if loss.reduction == "mean" else 1.0
+    for i in range(n):
+        expected = reference_diag_ggn(model, sum_loss, x[i : i + 1], targets[i : i + 1])
+        got = {k: v[i] for k, v in actual.items()}
+        assert_diag_close(got, {k: scale * v for k, v in expected.items()}, rtol=1e-9)
+    total = ggnchunk.diag_ggn(model, loss, x, targets)
+    assert_diag_close({k: v.sum(0) for k, v in actual.items()}, total, rtol=1e-9)
+    for name, param in model.named_parameters():
+        assert actual[name].shape == (n, *param.shape)
