@@ -45,10 +45,17 @@ __all__ = [
 # -- the shared contraction -------------------------------------------------------------
 
 
+_GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
+
+
 def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int) -> bool:
+    if p == 1:
+        return True
+    if n * g * p * p * (o + k) > _GRAM_LIMIT:  # P x P factors too large to keep
+        return False
     direct = 2 * v * n * g * o * k * p + v * n * g * o * k
     gram = 2 * v * n * g * o * p * p + 2 * n * g * o * k * p * p
-    return p == 1 or gram < direct
+    return gram < direct
 
 
 def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
