@@ -11,7 +11,6 @@ which parameters it uses, and backpropagates batches of vectors with
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -173,20 +172,6 @@ def blocked(edges: Sequence[GradientEdge]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def message_is_inplace_error(error: BaseException) -> bool:
-    """Whether ``error`` is autograd's complaint about a tensor modified in place.
-
-    Args:
-        error: The exception.
-
-    Returns:
-        ``True`` for "modified by an inplace operation" errors.
-    """
-    return isinstance(error, RuntimeError) and bool(
-        re.search(r"modified by an inplace operation", str(error))
-    )
 
 
 def warm_up() -> None:

@@ -20,7 +20,6 @@ import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -367,18 +366,3 @@ class GGNComputation:
             raise RuntimeError("call forward() first")
         (seed,) = torch.autograd.grad(self._loss, self._output, retain_graph=True)
         return self._recording.gradient(seed)
-
-    def forward_bytes(self) -> int:
-        """Bytes of the layers' recorded inputs and the output (an estimate of the graph).
-
-        Returns:
-            Bytes, counted once per storage.
-        """
-        seen: dict[int, int] = {}
-        tensors: list[Any] = [self._output]
-        tensors += [c.ctx.inputs[0] for c in self._recording.calls]
-        for tensor in tensors:
-            if isinstance(tensor, Tensor):
-                storage = tensor.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())

@@ -25,7 +25,6 @@ through the glue that uses it) that are added over its uses before squaring.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -550,15 +549,3 @@ class Recording:
 
         visit("the model output", seed)
         self.sweep(seed, None, visit)
-
-
-def numel_per_sample(tensor: Tensor) -> int:
-    """Elements per sample of a ``[N, ...]`` tensor.
-
-    Args:
-        tensor: A batched tensor.
-
-    Returns:
-        ``prod(tensor.shape[1:])``.
-    """
-    return math.prod(tensor.shape[1:])
