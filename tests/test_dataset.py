@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import UserDict
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ggnchunk
-from tests.reference import assert_diag_close
+from tests.reference import assert_diag_close, reference_diag_ggn
 
 
 def _model() -> nn.Module:
@@ -69,7 +71,9 @@ def test_dataset_errors():
     model = _model()
     with pytest.raises(ValueError, match="no batch"):
         ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), [], progress=False)
-    with pytest.raises(TypeError, match=r"\(inputs, targets\) pairs"):
+    with pytest.raises(
+        TypeError, match=r"each batch of data must be an \(inputs, targets\) pair"
+    ):
         ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), [X], progress=False)
     with pytest.raises(RuntimeError, match="no torch.distributed process group"):
         ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), [(X, X)], distributed=True)
@@ -98,3 +102,132 @@ def test_loss_gradient_and_diagonal_in_one_call(case, options):
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-6 * r.abs().max().item()), name
     assert_diag_close(diag, ggnchunk.diag_ggn(model, loss_func, X, y), rtol=1e-5)
     assert all(p.grad is None for p in model.parameters())
+
+
+class _DictModel(nn.Module):
+    """laplace-torch's convention: the whole dict batch is the model's one argument."""
+
+    def __init__(self, kind: type = dict):
+        super().__init__()
+        torch.manual_seed(3)
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.scale = nn.Linear(1, 3)
+
+    def forward(self, batch):
+        assert type(batch) is self.kind, type(batch)  # the batch's own mapping type
+        return self.net(batch["features"]) * self.scale(batch["t"])
+
+
+class _Keywords(nn.Module):
+    """For the reference: ``model(**entries)`` → ``model(dict)`` (test code only)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **entries):
+        return self.model(self.model.kind(entries))
+
+
+def _dict_data(n: int = 11):
+    torch.manual_seed(4)
+    features, t = torch.randn(n, 4), torch.rand(n, 1)
+    y = torch.randint(0, 3, (n,))
+    return features, t, y
+
+
+def _collate(kind):
+    def collate(rows):
+        return kind(
+            features=torch.stack([r[0] for r in rows]),
+            t=torch.stack([r[1] for r in rows]),
+            target=torch.stack([r[2] for r in rows]),
+            note="kept",  # non-tensor entries reach the model unchanged
+        )
+
+    return collate
+
+
+@pytest.mark.parametrize("kind", [dict, UserDict])
+@pytest.mark.parametrize("options", [{}, {"num_chunks": 2, "batch_chunk_size": 2}])
+def test_dict_batches_follow_laplace_torchs_convention(kind, options):
+    features, t, y = _dict_data()
+    model, loss_func = _DictModel(kind), nn.CrossEntropyLoss()
+    rows = list(zip(features, t, y, strict=True))
+    loader = DataLoader(rows, batch_size=4, collate_fn=_collate(kind))
+    actual = ggnchunk.diag_ggn_dataset(model, loss_func, loader, progress=False,
+                                       dict_key_x="features", dict_key_y="target",
+                                       **options)  # fmt: skip
+    inputs = {"features": features, "t": t, "target": y, "note": "kept"}
+    expected = reference_diag_ggn(_Keywords(model), loss_func, inputs, y)
+    expected = {k.removeprefix("model."): v for k, v in expected.items()}
+    assert_diag_close(actual, expected, rtol=1e-5, label=kind.__name__)
+
+    acc = ggnchunk.DiagGGNAccumulator(model, loss_func, dict_key_x="features",
+                                      dict_key_y="target", **options)  # fmt: skip
+    for batch in loader:
+        acc.update(batch)
+    assert acc.num_samples == 11 and acc.num_batches == 3
+    assert_diag_close(acc.compute(), expected, rtol=1e-5, label=f"{kind.__name__} acc")
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(1, 2)
+
+    def forward(self, x, t, *, shift=None):
+        out = torch.tanh(self.a(x)) + self.b(t)
+        return out if shift is None else out + shift
+
+
+@pytest.mark.parametrize("outputs", ["tuple", "dict"])
+def test_pairs_with_tuple_or_dict_inputs_and_one_output_columns(outputs):
+    features, t, _ = _dict_data()
+    y = torch.randn(11, 2)
+    model, loss_func = _TwoInputs(), nn.MSELoss(reduction="sum")
+    if outputs == "tuple":  # model(*inputs)
+        batches = [((features[i : i + 4], t[i : i + 4]), y[i : i + 4]) for i in (0, 4, 8)]
+        inputs = (features, t)
+    else:  # a dict in a pair is ggnchunk's own convention: model(**inputs)
+        batches = [({"x": features[i : i + 4], "t": t[i : i + 4]}, y[i : i + 4])
+                   for i in (0, 4, 8)]  # fmt: skip
+        inputs = {"x": features, "t": t}
+    expected = reference_diag_ggn(model, loss_func, inputs, y)
+    # num_chunks above the 2 columns is clamped (one column per pass)
+    actual = ggnchunk.diag_ggn_dataset(model, loss_func, batches, progress=False,
+                                       num_chunks=5)  # fmt: skip
+    assert_diag_close(actual, expected, rtol=1e-5, label=outputs)
+    acc = ggnchunk.DiagGGNAccumulator(model, loss_func, max_memory="256MiB")
+    for batch in batches:
+        acc.update(*batch) if outputs == "tuple" else acc.update(batch)
+    assert acc.num_samples == 11
+    assert_diag_close(acc.compute(), expected, rtol=1e-5, label=f"{outputs} acc")
+
+
+def test_batches_of_the_wrong_shape_are_refused_with_the_fix():
+    model, loss_func = _DictModel(), nn.CrossEntropyLoss()
+    features, t, y = _dict_data(4)
+    good = {"features": features, "t": t, "labels": y}
+    run = lambda batch, **kw: ggnchunk.diag_ggn_dataset(  # noqa: E731
+        model, loss_func, [batch], progress=False, dict_key_x="features", **kw
+    )
+    with pytest.raises(KeyError, match=r"dict_key_y='target'.*pass dict_key_y="):
+        run(good, dict_key_y="target")
+    with pytest.raises(KeyError, match=r"dict_key_x='input_ids'"):
+        ggnchunk.diag_ggn_dataset(model, loss_func, [good], progress=False)
+    with pytest.raises(ValueError, match=r"'features' entry \(dict_key_x\) has shape"):
+        run({**good, "features": features[:3]})
+    with pytest.raises(TypeError, match=r"'labels' entry \(dict_key_y\) is a list"):
+        run({**good, "labels": y.tolist()})
+    with pytest.raises(TypeError, match=r"a tuple of 3 items.*\(\(x1, x2\), targets\)"):
+        run((features, t, y))
+    with pytest.raises(TypeError, match=r"second item \(the targets\) is a list"):
+        run((features, y.tolist()))
+    acc = ggnchunk.DiagGGNAccumulator(model, loss_func)
+    with pytest.raises(
+        TypeError, match=r"update\(\)'s batch must be an \(inputs, targets\) pair"
+    ):
+        acc.update(features)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import UserDict
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from laplace.curvature import BackPackGGN  # noqa: E402
 
 import ggnchunk  # noqa: E402
 from ggnchunk.laplace import ChunkedGGN  # noqa: E402
+from tests.reference import reference_diag_ggn  # noqa: E402
 
 
 def _data(likelihood: str, outputs: int = 3, n: int = 20):
@@ -94,3 +96,92 @@ def test_kron_and_full_say_that_only_diag_is_computed(structure):
     assert 'hessian_structure="diag"' in message
     assert f'hessian_structure="{structure}" is not available' in message
     assert "BackPackGGN" in message and "CurvlinopsGGN" in message
+
+
+class _DictInput(nn.Module):
+    """laplace-torch's custom-model convention: one dict argument (its test_dict_data)."""
+
+    def __init__(self, outputs: int):
+        super().__init__()
+        self.net = _model(outputs)
+
+    def forward(self, data):
+        assert isinstance(data, UserDict)  # the collator's own mapping type
+        return self.net(data["test_input_key"])
+
+
+def _dict_collator(rows):
+    return UserDict(
+        test_input_key=torch.stack([r[0] for r in rows]),
+        test_label_key=torch.stack([r[1] for r in rows]),
+    )
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_dict_batches_follow_laplace_torchs_dict_keys(likelihood, subset):
+    outputs = 3 if likelihood == "regression" else 4
+    torch.manual_seed(0)
+    x = torch.randn(10, 5)  # laplace-torch's collator gives class labels [B, 1]
+    y = (
+        torch.randn(10, outputs)
+        if likelihood == "regression"
+        else torch.randint(4, (10, 1))
+    )
+    rows = list(zip(x, y, strict=True))
+    dict_loader = DataLoader(rows, batch_size=3, collate_fn=_dict_collator)
+    model = _DictInput(outputs)
+    keys = {"dict_key_x": "test_input_key", "dict_key_y": "test_label_key"}
+    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="diag",
+                 backend=ChunkedGGN, backend_kwargs={"num_chunks": 2}, **keys)  # fmt: skip
+    la.fit(dict_loader)
+    tensor_loader = DataLoader(TensorDataset(x, y), batch_size=3)
+    theirs = _fit(copy.deepcopy(model.net), likelihood, tensor_loader, BackPackGGN, subset)
+    assert torch.allclose(la.H, theirs.H, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(la.loss, theirs.loss, rtol=1e-5)
+    batch = next(iter(dict_loader))
+    if likelihood == "regression":
+        mean, _ = la(batch, pred_type="glm")
+        assert torch.allclose(mean, model.net(batch["test_input_key"]), atol=1e-6)
+    else:
+        probs = la(batch, pred_type="glm", link_approx="probit")
+        assert torch.allclose(probs.sum(-1), torch.ones(3), atol=1e-5)
+    # laplace-torch's default keys do not name this batch's input: say which key to pass
+    backend = ChunkedGGN(model, likelihood)
+    with pytest.raises(KeyError, match=r"dict_key_x='input_ids'.*test_input_key"):
+        backend.diag(batch, batch["test_label_key"])
+
+
+def test_tuple_inputs_are_unpacked_like_laplace_torchs_jacobians():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 2), nn.Linear(1, 2)
+
+        def forward(self, x, t):
+            return torch.tanh(self.a(x)) * self.b(t)
+
+    torch.manual_seed(0)
+    model, x, t, y = TwoInputs(), torch.randn(7, 5), torch.rand(7, 1), torch.randn(7, 2)
+    expected = reference_diag_ggn(model, nn.MSELoss(reduction="sum"), (x, t), y)
+    flat = torch.cat([v.flatten() for v in expected.values()])
+    for options in ({}, {"num_chunks": 2}, {"max_memory": "256MiB"}):
+        loss, diag = ChunkedGGN(model, "regression", **options).diag((x, t), y, N=7)
+        assert torch.allclose(diag.double(), 0.5 * flat, rtol=1e-5, atol=1e-8), options
+        assert torch.allclose(loss, 0.5 * ((model(x, t) - y) ** 2).sum().detach())
+
+
+def test_logits_per_position_are_laplace_torchs_view_minus_one():
+    """Logits [B, T, C] with labels [B, T]: laplace-torch's f.view(-1, C), y.view(-1)."""
+    torch.manual_seed(0)
+    model = _model(4)  # acts on the last axis: per position
+    x, y = torch.randn(6, 3, 5), torch.randint(4, (6, 3))
+    loss, diag = ChunkedGGN(model, "classification", num_chunks=5).diag(x, y)
+    # the same positions as 18 samples of a [B, C] classifier, through BackPACK
+    with warnings.catch_warnings():  # BackPACK's hook warning
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss_bp, diag_bp = BackPackGGN(copy.deepcopy(model), "classification").diag(
+            x.reshape(18, 5), y.reshape(18)
+        )
+    assert torch.allclose(diag, diag_bp, rtol=1e-5, atol=1e-8)
+    assert torch.allclose(loss, loss_bp, rtol=1e-6)
