@@ -325,7 +325,9 @@ class GGNComputation:
         params = sum(p.numel() for p in self._problem.params) * element
         if self._per_sample:
             params *= self._batch.size
-        return self._recording.fixed_bytes(element) + 2 * params
+        # the total is allocated before the forward pass (measured with it); each
+        # chunk's own accumulator comes on top
+        return self._recording.fixed_bytes(element) + params
 
     def _zeros(self) -> list[Tensor]:
         params = self._problem.params
