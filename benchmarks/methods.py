@@ -37,18 +37,36 @@ def _backpack_targets(loss_func: nn.Module, targets: Tensor) -> Tensor:
     return targets if isinstance(loss_func, nn.CrossEntropyLoss) else targets.flatten(1)
 
 
+_CONVERTED: dict[int, nn.Module] = {}
+
+
+def _converted(model: nn.Module, flatten: bool) -> nn.Module:
+    """``extend(model, use_converter=True)``: BackPACK's torch.fx rewrite (once)."""
+    if id(model) not in _CONVERTED:
+        net = nn.Sequential(model, nn.Flatten()) if flatten else model
+        _CONVERTED[id(model)] = extend(net, use_converter=True)
+    return _CONVERTED[id(model)]
+
+
 def backpack_one_pass(
-    model, loss_func, inputs, targets, mc_samples: int = 0
+    model, loss_func, inputs, targets, mc_samples: int = 0, use_converter: bool = False
 ) -> list[Tensor]:
-    """BackPACK ``DiagGGNExact`` (or ``DiagGGNMC`` with ``mc_samples``) in one pass."""
+    """BackPACK ``DiagGGNExact`` (or ``DiagGGNMC`` with ``mc_samples``) in one pass.
+
+    ``use_converter``: extend through BackPACK's torch.fx converter, which rewrites
+    residual additions and in-place operations (ResNets) into BackPACK modules; results
+    are read from the converted module's parameters, in the same order.
+    """
     is_ce = isinstance(loss_func, nn.CrossEntropyLoss)
     with torch.no_grad():
         dims = model(inputs[:1]).dim()
-    net = model if is_ce else _flat_model(model, dims)
-    net = extend(net)
+    if use_converter:
+        net = _converted(model, flatten=not is_ce and dims > 2)
+    else:
+        net = extend(model if is_ce else _flat_model(model, dims))
     loss_module = extend(loss_func)
     extension = DiagGGNMC(mc_samples=mc_samples) if mc_samples else DiagGGNExact()
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in (net if use_converter else model).parameters() if p.requires_grad]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_HOOK_WARNING)
         loss = loss_module(net(inputs), _backpack_targets(loss_func, targets))

@@ -1,7 +1,9 @@
 """Benchmark problems: name → builder of ``(model, loss_func, inputs, targets)``.
 
 Every builder makes its own data (no downloads) from a fixed seed, on the given device.
-``scale`` > 1 grows the batch for GPUs.
+``scale`` > 1 grows the batch for GPUs. :data:`PROBLEMS` holds every problem;
+:data:`DEFAULT_PROBLEMS` are the rows of the benchmark table (issue 13's list), the others
+run with ``--only``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,22 @@ def conv_ae_28(scale: int = 1) -> Problem:
         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
         nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1), nn.ReLU(),
         nn.ConvTranspose2d(8, 1, 4, stride=2, padding=1),
+    )  # fmt: skip
+    return model, nn.MSELoss(), x, x
+
+
+def conv_ae_28_outpad(scale: int = 1) -> Problem:
+    """28×28 conv autoencoder on ``[16, 1, 28, 28]``, ``output_padding`` decoder, MSE.
+
+    28→14→7 convolutions and the standard 7→14→28 decoder, ``ConvTranspose2d(..., 3,
+    stride=2, padding=1, output_padding=1)``; BackPACK 1.7.1 fails on it.
+    """
+    x = torch.rand(16 * scale, 1, 28, 28)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(8, 1, 3, stride=2, padding=1, output_padding=1),
     )  # fmt: skip
     return model, nn.MSELoss(), x, x
 
@@ -99,14 +117,58 @@ def unet(scale: int = 1) -> Problem:
     return UNet(), nn.MSELoss(), x, x
 
 
+def unet_32(scale: int = 1) -> Problem:
+    """Issue 13's U-Net: :class:`UNet` of width 16 on ``[4, 3, 32, 32]``, MSE.
+
+    GroupNorm, SiLU, ``Upsample`` and ``torch.cat`` skips: BackPACK cannot run it (no
+    GroupNorm, Upsample or ``cat``; its converter does not rewrite ``cat`` skips).
+    """
+    x = torch.rand(4 * scale, 3, 32, 32)
+    return UNet(width=16), nn.MSELoss(), x, x
+
+
+def resnet18(scale: int = 1) -> Problem:
+    """Torchvision's ResNet-18 (``weights=None``, eval mode), 10 classes, cross-entropy.
+
+    8 images ``3×32×32``; in-place ReLUs and ``out += identity`` residuals. BackPACK
+    runs it through ``extend(model, use_converter=True)`` (torch.fx).
+    """
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    x = torch.randn(8 * scale, 3, 32, 32)
+    y = torch.randint(0, 10, (8 * scale,))
+    return model, nn.CrossEntropyLoss(), x, y
+
+
+def tiny_mlp_ae(scale: int = 1) -> Problem:
+    """A 32-16-32 MLP autoencoder on 8 samples, MSE: seconds, for the smoke test."""
+    x = torch.rand(8 * scale, 32)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 32))
+    return model, nn.MSELoss(), x, x
+
+
 PROBLEMS: dict[str, Callable[[int], Problem]] = {
     "tutorial_conv_ae": tutorial_conv_ae,
     "mlp_ae": mlp_ae,
-    "conv_ae_28": conv_ae_28,
     "classifier_1000": classifier_1000,
     "segmentation": segmentation,
+    "conv_ae_28_outpad": conv_ae_28_outpad,
+    "unet_32": unet_32,
+    "resnet18": resnet18,
+    "conv_ae_28": conv_ae_28,
     "unet": unet,
+    "tiny_mlp_ae": tiny_mlp_ae,
 }
+
+DEFAULT_PROBLEMS = (
+    "tutorial_conv_ae", "mlp_ae", "classifier_1000", "segmentation",
+    "conv_ae_28_outpad", "unet_32", "resnet18",
+)  # fmt: skip
+"""The benchmark table's rows, in order."""
+
+CONV_AUTOENCODERS = frozenset({"tutorial_conv_ae", "conv_ae_28_outpad", "conv_ae_28"})
+"""Problems held to issue 13's conv-autoencoder targets (≤ 0.6× time, ≥ 35% of peak)."""
 
 
 def build(name: str, device: str = "cpu", scale: int = 1, seed: int = 0) -> Problem:

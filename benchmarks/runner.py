@@ -3,22 +3,36 @@
 Used as a child process: ``python -m benchmarks.runner --problem P --method M --params
 JSON --mode time|memory|both --out FILE``. ``time`` does a warm-up call and then
 ``repeats`` timed calls (median, ``cuda.synchronize`` on GPU). ``memory`` measures a cold
-first call (unless ``--warm-only``) and a warm call with
-:func:`ggnchunk.measure_peak_memory`. ``both`` measures memory first, in the fresh
-process, and then times calls once the poller has stopped (the CPU memory poller slows
-the computation it watches, so no timed call runs beside it).
-:func:`run_isolated` starts such a child with a pinned glibc mmap threshold.
+first call (unless ``--warm-only``) and a warm call. ``both`` measures memory first, in
+the fresh process, and then times calls (no timed call runs beside a memory poller).
+
+CPU peak memory is the resident set size above the level just before the call, either
+polled every millisecond by memory_profiler (``--peak poll``, through
+:func:`ggnchunk.measure_peak_memory`) or read from the kernel's own high-water mark
+(``--peak hwm``: ``VmHWM``, reset through ``/proc/self/clear_refs`` just before the call;
+exact, no poller). ``--trim`` returns the memory freed by earlier calls to the operating
+system (glibc ``malloc_trim(0)``) before the warm call, so that a warm call that reuses
+freed heap does not look free. A failed configuration writes a record with ``"error"``
+(exception type and message) and exits with status 1.
+
+:func:`run_isolated` starts such a child, by default with a pinned glibc mmap threshold
+(repeatable peaks); ``pin_mmap=False`` leaves the allocator as users have it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +41,7 @@ from benchmarks.methods import METHODS
 from benchmarks.problems import build
 
 MMAP_THRESHOLD = "131072"  # without it, freed memory returns to the OS unpredictably
+MiB = 2**20
 
 
 def _sync(device: str) -> None:
@@ -42,6 +57,48 @@ def _unpack(result, record: dict) -> list:
     return result
 
 
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset the kernel's peak RSS (``VmHWM``) to the current RSS; False if impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return _status_bytes("VmHWM") is not None
+
+
+def malloc_trim() -> bool:
+    """Give the heap's free pages back to the OS (glibc); False where unavailable."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def peak_extra_mib(call: Callable, device: str, peak: str) -> tuple[float, str, object]:
+    """Run ``call`` once: peak memory above the level before it [MiB], method, result."""
+    if device.startswith("cpu") and peak == "hwm":
+        before = _status_bytes("VmRSS")
+        if before is not None and _reset_high_water_mark():
+            result = call()
+            return (_status_bytes("VmHWM") - before) / MiB, "vmhwm", result
+    from ggnchunk import measure_peak_memory
+
+    measured = measure_peak_memory(call, device=device)
+    return measured.peak_extra_mib, measured.method, measured.result
+
+
 def run_here(
     problem: str,
     method: str,
@@ -53,32 +110,35 @@ def run_here(
     save_diag: str | None = None,
     flops: bool = False,
     cold: bool = True,
+    peak: str = "poll",
+    trim: bool = False,
 ) -> dict:
     """Measure one configuration in this process; return a JSON-ready record.
 
     ``params`` go to the method, except ``float64`` (run the problem in float64).
     """
-    from ggnchunk import measure_peak_memory
+    from torch.utils.flop_counter import FlopCounterMode
 
     params = dict(params)
-    model, loss_func, x, y = build(problem, device, scale)
-    if params.pop("float64", False):
-        model, loss_func = model.double(), loss_func.double()
-        x = x.double() if x.is_floating_point() else x
-        y = y.double() if y.is_floating_point() else y
-    fn = METHODS[method]
     record = {
         "problem": problem,
         "method": method,
-        "params": params,
+        "params": dict(params),
         "mode": mode,
         "device": device,
         "threads": torch.get_num_threads(),
-        "batch_size": x.shape[0],
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
     }
-    import contextlib
-
-    from torch.utils.flop_counter import FlopCounterMode
+    float64 = params.pop("float64", False)
+    model, loss_func, x, y = build(problem, device, scale)
+    if float64:
+        model, loss_func = model.double(), loss_func.double()
+        x = x.double() if x.is_floating_point() else x
+        y = y.double() if y.is_floating_point() else y
+    record["batch_size"] = x.shape[0]
+    record["parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fn = METHODS[method]
 
     def call():
         out = fn(model, loss_func, x, y, **params)
@@ -88,42 +148,46 @@ def run_here(
     # The warm-up call counts floating-point operations (untimed), except in auto mode,
     # whose warm-up call times candidate chunk sizes: there an extra call counts them.
     tuning = params.get("chunk_size") == "auto"
-    count_now = flops and not tuning
+    count_now = flops and not tuning and not (mode in ("memory", "both") and cold)
     counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
+    diag = None
     if mode in ("memory", "both"):
         if cold:
-            first = measure_peak_memory(call, device=device)
-            record["cold_peak_mib"] = first.peak_extra_mib
-        else:  # warm up without the poller (faster), measure the warm call only
+            record["cold_peak_mib"], _, first = peak_extra_mib(call, device, peak)
+            diag = _unpack(first, record)
+        else:  # warm up without measuring, measure the warm call only
             with counter:
-                call()
+                diag = _unpack(call(), record)
             if count_now:
                 record["flops"] = counter.get_total_flops()
-        warm = measure_peak_memory(call, device=device)
-        diag = _unpack(warm.result, record)
-        record["peak_mib"] = warm.peak_extra_mib
-        record["memory_method"] = warm.method
+        gc.collect()
+        if trim:
+            record["trimmed"] = malloc_trim()
+        record["peak_mib"], record["memory_method"], warm = peak_extra_mib(
+            call, device, peak
+        )
+        diag = _unpack(warm, record)
     if mode in ("time", "both"):
         if mode == "time":  # a fresh process: warm up first
             start = time.perf_counter()
             with counter:
-                diag = call()
+                diag = _unpack(call(), record)
             record["first_call_s"] = time.perf_counter() - start
             if count_now:
                 record["flops"] = counter.get_total_flops()
         times = []
         for _ in range(repeats):  # no memory poller runs now
             start = time.perf_counter()
-            diag = call()
+            result = call()
             times.append(time.perf_counter() - start)
+            diag = _unpack(result, record)
         record["times_s"] = times
         record["median_s"] = statistics.median(times) if times else record["first_call_s"]
-        diag = _unpack(diag, record)
     if flops and "flops" not in record:
         with FlopCounterMode(display=False) as late_counter:
-            call()
+            diag = _unpack(call(), record)
         record["flops"] = late_counter.get_total_flops()
-    if save_diag:
+    if save_diag and diag is not None:
         torch.save([d.detach().cpu() for d in diag], save_diag)
     return record
 
@@ -142,23 +206,38 @@ def run_isolated(
     timeout: float = 1800,
     flops: bool = False,
     cold: bool = True,
+    pin_mmap: bool = True,
+    peak: str = "poll",
+    trim: bool = False,
 ) -> dict:
     """Run :func:`run_here` in a fresh Python process and return its record.
 
-    A failed child (out of memory, an error) gives a record with ``"error"``.
+    ``threads``: ``OMP_NUM_THREADS`` of the child; ``0`` removes it (torch's default);
+    ``None`` keeps this process's environment. ``pin_mmap`` sets glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` (repeatable peaks); ``False`` removes every ``MALLOC_*``
+    variable, as users run. A failed child (an error, out of memory, past ``timeout``
+    seconds) gives a record with ``"error"``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{problem}-{method}-{mode}-" + "-".join(f"{k}{v}" for k, v in params.items())
+    tag += "-pinned" if pin_mmap else ""
     tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in tag)
     out = out_dir / f"{tag}.json"
+    out.unlink(missing_ok=True)
     diag_file = out_dir / f"{tag}.pt" if save_diag else None
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
-    if threads is not None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if pin_mmap:
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    if threads == 0:
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("MKL_NUM_THREADS", None)
+    elif threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [
         sys.executable, "-m", "benchmarks.runner", "--problem", problem, "--method", method,
         "--params", json.dumps(params), "--mode", mode, "--device", device,
         "--repeats", str(repeats), "--scale", str(scale), "--out", str(out),
+        "--peak", peak,
     ]  # fmt: skip
     if diag_file:
         cmd += ["--save-diag", str(diag_file)]
@@ -166,17 +245,31 @@ def run_isolated(
         cmd.append("--flops")
     if not cold:
         cmd.append("--warm-only")
+    if trim:
+        cmd.append("--trim")
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    failed = {"problem": problem, "method": method, "params": params, "mode": mode,
+              "device": device}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+            check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {**failed, "error": f"timeout after {timeout:.0f} s", "timeout": True}
+    seconds = time.perf_counter() - start
     if proc.returncode != 0:
+        if out.is_file():  # the child caught the error and said what it was
+            return {**failed, **json.loads(out.read_text()), "process_s": seconds}
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {
-            "problem": problem, "method": method, "params": params, "mode": mode,
-            "device": device, "error": " | ".join(tail) or f"exit {proc.returncode}",
-        }  # fmt: skip
+        reason = f"exit {proc.returncode}"
+        if proc.returncode < 0:
+            reason += " (killed: out of memory?)" if proc.returncode == -9 else " (signal)"
+        return {**failed, "error": " | ".join(tail) or reason, "process_s": seconds}
     record = json.loads(out.read_text())
+    record["process_s"] = seconds
+    record["pinned_mmap"] = pin_mmap
     if diag_file:
         record["diag_file"] = str(diag_file)
     return record
@@ -195,11 +288,26 @@ def main() -> None:
     parser.add_argument("--save-diag", default=None)
     parser.add_argument("--flops", action="store_true")
     parser.add_argument("--warm-only", action="store_true")
+    parser.add_argument("--peak", choices=["poll", "hwm"], default="poll")
+    parser.add_argument("--trim", action="store_true")
     args = parser.parse_args()
-    record = run_here(
-        args.problem, args.method, json.loads(args.params), args.mode, args.device,
-        args.repeats, args.scale, args.save_diag, args.flops, not args.warm_only,
-    )  # fmt: skip
+    try:
+        record = run_here(
+            args.problem, args.method, json.loads(args.params), args.mode, args.device,
+            args.repeats, args.scale, args.save_diag, args.flops, not args.warm_only,
+            args.peak, args.trim,
+        )  # fmt: skip
+    except Exception as error:  # recorded as the configuration's result, not raised
+        message = str(error).strip().splitlines()
+        record = {
+            "error": f"{type(error).__name__}: {message[0] if message else ''}",
+            "error_type": type(error).__name__,
+            "error_message": str(error),
+            "traceback": traceback.format_exc().splitlines()[-12:],
+        }
+        Path(args.out).write_text(json.dumps(record, indent=2))
+        traceback.print_exc()
+        sys.exit(1)
     Path(args.out).write_text(json.dumps(record, indent=2))
 
 
