@@ -3,9 +3,10 @@
 The public API is exactly what this module exports.
 """
 
-from ggnchunk._api import GGNReport, diag_ggn, loss_grad_and_diag_ggn
+from ggnchunk._api import GGNReport, diag_ggn, kron_ggn, loss_grad_and_diag_ggn
 from ggnchunk._autograd import warm_up as _warm_up
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
+from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import supported_layers_table
 from ggnchunk._scheduler import (
@@ -29,6 +30,9 @@ __all__ = [
     "loss_grad_and_diag_ggn",
     "DiagGGNAccumulator",
     "GGNReport",
+    # Kronecker factors (KFLR)
+    "kron_ggn",
+    "KronFactors",
     # scheduling chunks (generic: any sum over an index range)
     "ChunkScheduler",
     "ScheduleReport",

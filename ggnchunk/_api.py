@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
-from ggnchunk._engine import GGNComputation, Problem, model_lock
+from ggnchunk._engine import GGNComputation, Problem, check_kron_parameters, model_lock
+from ggnchunk._kron import KronFactors, assemble
 from ggnchunk._memory import PeakTracker
 from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
 
@@ -107,6 +108,7 @@ class _Evaluation:
     report: GGNReport
     normalizer: float  # of the mean reduction (1 for sum)
     names: list[str]
+    factors: dict[str, KronFactors] | None = None  # with kron=True (diagonal is empty)
 
 
 def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkOptions]:
@@ -134,10 +136,13 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
 def _compute(
     problem: Problem, batch: Batch, targets: Tensor, options: ChunkOptions, scale: float,
     need_gradient: bool, group=None, per_sample: bool = False,
+    factors: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None,
 ) -> tuple[list[Tensor], Tensor, list[Tensor], GGNReport]:  # fmt: skip
     """Every sub-batch: forward, then the scheduled backward passes; summed results.
 
     Loss, gradient and diagonal are those of ``scale * (the loss with reduction="sum")``.
+    With ``factors = (outputs, inputs)`` (empty dicts), Kronecker factors are summed
+    into them instead of the diagonal (returned empty).
     """
     size = batch.size
     report = GGNReport(
@@ -145,7 +150,8 @@ def _compute(
                                  what="samples")
     )  # fmt: skip
     params = problem.params
-    total = [torch.zeros_like(p) for p in params]
+    kron = factors is not None
+    total = [] if kron else [torch.zeros_like(p) for p in params]
     parts: list[list[Tensor]] = []  # per-sample diagonals of the sub-batches
     gradient = [torch.zeros_like(p) for p in params]
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
@@ -155,7 +161,7 @@ def _compute(
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop]
-        run = GGNComputation(problem, part, sub_targets, scale, per_sample)
+        run = GGNComputation(problem, part, sub_targets, scale, per_sample, kron)
         with run:
             run.forward()
         columns = run.num_columns
@@ -187,7 +193,13 @@ def _compute(
             float(problem.handler.normalizer(problem.loss_func, sub_targets)) if mean else 1
         )
         loss += factor * run.loss
-        if per_sample:
+        if kron:
+            for store, values in zip(
+                factors, (run.output_factors, run.input_factors), strict=True
+            ):
+                for name, value in values.items():
+                    store[name] = store[name] + value if name in store else value
+        elif per_sample:
             parts.append(run.diagonal)
         else:
             for acc, value in zip(total, run.diagonal, strict=True):
@@ -199,7 +211,9 @@ def _compute(
         del run
     if per_sample:
         total = [torch.cat(values) for values in zip(*parts, strict=True)]
-    if group is not None:
+    if group is not None and kron:  # every rank has the inputs' factors already
+        all_reduce_sum(list(factors[0].values()), None, group)
+    elif group is not None:
         all_reduce_sum(total, None, group)
     return total, loss, gradient, report
 
@@ -303,6 +317,80 @@ def diag_ggn(
     return (diagonal, result.report) if return_report else diagonal
 
 
+def kron_ggn(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    num_chunks: int | None = None,
+    chunk_size: int | str | None = None,
+    max_memory: int | str | None = None,
+    batch_chunk_size: int | None = None,
+    recover_oom: bool = True,
+    distributed: bool = False,
+    return_report: bool = False,
+) -> dict[str, KronFactors] | tuple[dict[str, KronFactors], GGNReport]:
+    """Per-layer Kronecker factors of the exact GGN (KFLR), chunked to fit a budget.
+
+    For every ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (``groups=1``) layer, the factors
+    ``G`` (``[C_out, C_out]``) and ``A`` (``[K, K]``, ``K`` the weight's fan-in) with
+    ``G ⊗ A`` approximating the GGN block of ``weight.flatten()`` and ``G`` the exact
+    GGN block of the bias — BackPACK's ``KFLR`` and laplace-torch's
+    ``BackPackGGN(stochastic=False)`` factors (see :class:`KronFactors`). ``G`` sums over
+    the columns of the loss Hessian's square root, so it is split into chunks of columns
+    exactly like :func:`diag_ggn`'s diagonal, with the same options and memory budget;
+    ``A`` needs the layer inputs only and is computed once per forward pass.
+
+    A Linear on ``[N, ..., D]`` is treated as a 1×1 convolution over the extra axes:
+    ``s`` is summed over them before its outer product, and ``A`` sums ``u u^T`` over
+    them (BackPACK accepts ``[N, D]`` inputs only).
+
+    Args:
+        model: A model whose trainable parameters are all weights and biases of
+            ``nn.Linear`` or ``nn.Conv1d/2d/3d`` layers (``groups=1``), each called once
+            per forward pass; any other layers (activations, pooling, normalization
+            without trainable parameters, glue) are allowed. Freeze other parameters
+            with ``requires_grad_(False)``.
+        loss_func: Any loss :func:`diag_ggn` accepts.
+        inputs: As in :func:`diag_ggn`.
+        targets: As in :func:`diag_ggn`.
+        num_chunks: As in :func:`diag_ggn`.
+        chunk_size: As in :func:`diag_ggn`.
+        max_memory: As in :func:`diag_ggn` (the factors are counted).
+        batch_chunk_size: As in :func:`diag_ggn`; ``A`` is normalized by the whole
+            batch's size.
+        recover_oom: As in :func:`diag_ggn`.
+        distributed: As in :func:`diag_ggn` (output factors summed over the ranks).
+        return_report: Also return a :class:`GGNReport`.
+
+    Returns:
+        ``{layer name: KronFactors}`` in the order of ``model.named_parameters()``; with
+        ``return_report=True``, the pair ``(factors, report)``.
+
+    Raises:
+        TypeError: For arguments of the wrong type (the message names the argument).
+        ValueError: For a trainable parameter without Kronecker factors (named, before
+            any work), a layer called twice or with shared parameters, and everything
+            :func:`diag_ggn` refuses.
+        MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
+
+    Example:
+        >>> import torch, ggnchunk
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> X, y = torch.randn(16, 4), torch.randn(16, 3)
+        >>> factors = ggnchunk.kron_ggn(model, torch.nn.MSELoss(), X, y, num_chunks=2)
+        >>> {k: (tuple(f.output.shape), tuple(f.input.shape)) for k, f in factors.items()}
+        {'0': ((8, 8), (4, 4)), '2': ((3, 3), (8, 8))}
+    """
+    options = ChunkOptions(
+        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
+    )
+    result = _evaluate(model, loss_func, inputs, targets, options, kron=True)
+    return (result.factors, result.report) if return_report else result.factors
+
+
 def loss_grad_and_diag_ggn(
     model: nn.Module,
     loss_func: nn.Module,
@@ -360,9 +448,12 @@ def loss_grad_and_diag_ggn(
 def _evaluate(
     model, loss_func, inputs, targets, options: ChunkOptions,
     scale: float | None = None, need_gradient: bool = False, per_sample: bool = False,
+    kron: bool = False,
 ) -> _Evaluation:  # fmt: skip
     """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
     problem = Problem.build(model, loss_func)
+    if kron:
+        check_kron_parameters(problem)
     batch = check_batch(
         list(zip(problem.names, problem.params, strict=True)), inputs, targets
     )
@@ -375,9 +466,13 @@ def _evaluate(
         scale = 1.0 / normalizer
     # autocast would cast the sweeps' products too: everything runs in the parameters'
     # dtype (float32 for a float32 model under autocast), as the README says
+    sums = ({}, {}) if kron else None
     with model_lock(model), torch.autocast(problem.device.type, enabled=False):
         total, loss, gradient, report = _compute(
             problem, batch, targets.detach(), options, scale, need_gradient, group,
-            per_sample,
+            per_sample, sums,
         )  # fmt: skip
-    return _Evaluation(loss, gradient, total, report, normalizer, problem.names)
+    factors = None
+    if sums is not None:
+        factors = assemble(model, problem.names, *sums, samples=batch.size)
+    return _Evaluation(loss, gradient, total, report, normalizer, problem.names, factors)

@@ -35,7 +35,7 @@ from ggnchunk._sqrt_hessians import (
     lookup_loss,
 )
 
-__all__ = ["GGNComputation", "Problem", "model_lock"]
+__all__ = ["GGNComputation", "Problem", "check_kron_parameters", "model_lock"]
 
 _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
@@ -171,6 +171,40 @@ class Problem:
         )
 
 
+def check_kron_parameters(problem: Problem) -> None:
+    """Refuse, before any work, trainable parameters that have no Kronecker factors.
+
+    Every trainable parameter must be the ``weight`` or ``bias`` of a layer whose rule
+    gives Kronecker factors (``nn.Linear``, ``nn.Conv1d/2d/3d`` with ``groups=1``).
+
+    Args:
+        problem: The checked problem.
+
+    Raises:
+        ValueError: Naming the first parameter without factors and the fix.
+    """
+    owners: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in problem.model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), (name, module))
+    for pname, param in zip(problem.names, problem.params, strict=True):
+        name, module = owners[id(param)]
+        unit = problem.units.get(module)
+        reason = (
+            unit[1].kron_check(module) if unit is not None
+            else "Kronecker factors are available for nn.Linear and nn.Conv1d/2d/3d "
+            "(groups=1) only"
+        )  # fmt: skip
+        if reason is None and pname.rsplit(".", 1)[-1] not in ("weight", "bias"):
+            reason = "only a layer's weight and bias have Kronecker factors"
+        if reason is not None:
+            raise ValueError(
+                f"parameter {pname!r} of {_display(name)} ({type(module).__name__}): "
+                f"{reason}. Freeze it (requires_grad_(False)) to compute the factors of "
+                "the other layers, or use ggnchunk.diag_ggn for its diagonal."
+            )
+
+
 class GGNComputation:
     """One batch's GGN diagonal, computed over any sequence of column ranges.
 
@@ -185,6 +219,9 @@ class GGNComputation:
         scale: Factor of the loss Hessian: ``1`` for ``reduction="sum"``,
             ``1 / normalizer`` of the whole batch for ``"mean"``.
         per_sample: Each sample's diagonal, ``[N, *param.shape]`` per parameter.
+        kron: Kronecker factors instead of the diagonal: :attr:`output_factors` (summed
+            over the column ranges) and :attr:`input_factors` (not normalized), keyed
+            by layer name (see :func:`check_kron_parameters`).
     """
 
     def __init__(
@@ -194,6 +231,7 @@ class GGNComputation:
         targets: Tensor,
         scale: float,
         per_sample: bool = False,
+        kron: bool = False,
     ):
         self._problem = problem
         self._batch = batch
@@ -206,7 +244,10 @@ class GGNComputation:
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
         self.loss: Tensor | None = None
-        self.diagonal: list[Tensor] = self._zeros()
+        self._kron = kron
+        self.diagonal: list[Tensor] = [] if kron else self._zeros()
+        self.output_factors: dict[str, Tensor] = {}
+        self.input_factors: dict[str, Tensor] = {}
 
     # -- set-up and tear-down -------------------------------------------------------------
     def __enter__(self) -> GGNComputation:
@@ -293,13 +334,30 @@ class GGNComputation:
                 "needs a scalar loss (reduction='mean' or 'sum')."
             )
         self._recording.plan(output)
+        if self._kron:
+            self._recording.check_kron(problem.names)
         self._recording.check_independent(output)
+        if self._kron:
+            self._input_factors()
         self.loss = self._loss.detach()
         self._output = output
         self._factor = problem.handler.factorize(
             problem.loss_func, output.detach(), self._targets, self._scale
         )
         return output
+
+    def _input_factors(self) -> None:
+        """Zero output factors and the input factors of every layer with parameters."""
+        for call in self._recording.calls:
+            if not call.params:
+                continue
+            module = call.ctx.module
+            self.output_factors[call.name] = module.weight.new_zeros(
+                module.weight.shape[0], module.weight.shape[0]
+            ).detach()
+            if any(pname == "weight" for _, pname in call.params):
+                self.input_factors[call.name] = call.rule.input_factor(call.ctx)
+                call.ctx.extra.clear()  # unfolded patches: not needed by the sweeps
 
     @property
     def num_columns(self) -> int:
@@ -322,6 +380,9 @@ class GGNComputation:
             Bytes (rule caches and the chunk's diagonal accumulators).
         """
         element = self._output.element_size()
+        if self._kron:  # factors are allocated with the forward pass; a chunk's own
+            sizes = [f.numel() for f in self.output_factors.values()]
+            return self._recording.fixed_bytes(element) + sum(sizes) * element
         params = sum(p.numel() for p in self._problem.params) * element
         if self._per_sample:
             params *= self._batch.size
@@ -351,6 +412,14 @@ class GGNComputation:
             stop: Last column (exclusive).
         """
         factor = self._require_factor()
+        if self._kron:
+            factors: dict[int, Tensor] = {}
+            seed = factor.columns(start, stop)
+            self._recording.sweep(seed, None, factors=factors)
+            del seed
+            for index, value in factors.items():
+                self.output_factors[self._recording.calls[index].name].add_(value)
+            return
         chunk = self._zeros()
         seed = factor.columns(start, stop)
         self._recording.sweep(seed, chunk, mask=factor.squared_mask(start, stop))

@@ -344,6 +344,7 @@ class Recording:
         diagonal: list[Tensor] | None,
         visit: Callable[[str, Tensor], None] | None = None,
         mask: Tensor | None = None,
+        factors: dict[int, Tensor] | None = None,
     ) -> None:
         """Backpropagate ``seed`` (``[V, N, *output]``) and add parameter diagonals.
 
@@ -354,6 +355,8 @@ class Recording:
                 (used to check that samples stay independent).
             mask: For one-hot columns, ``sum_v seed[v]**2`` (``[N or 1, *output]``): the
                 layer that produces the model output takes its diagonal from it.
+            factors: Kronecker output factors, added per call index (for the calls
+                with trainable parameters; see :meth:`check_kron`).
         """
         v, n = seed.shape[:2]
         outs: dict[EdgeKey, Tensor] = {}
@@ -402,6 +405,10 @@ class Recording:
                 continue
             if visit is not None:
                 visit(f"the output of {_display(call.name)}", grads)
+            if factors is not None and call.params:
+                value = call.rule.output_factor(call.ctx, grads)
+                old = factors.get(call.index)
+                factors[call.index] = value if old is None else old + value
             onehot = None
             if (
                 diagonal is not None and mask is not None and call.params
@@ -508,6 +515,40 @@ class Recording:
             if self._sources[key].last_consumer == call.index:
                 push(key, srcs.pop(key))
         return grads
+
+    def check_kron(self, names: list[str]) -> None:
+        """Refuse what has no Kronecker factors: parameters outside ruled layers, shared.
+
+        Args:
+            names: The parameters' qualified names, for the message.
+
+        Raises:
+            ValueError: Naming the parameter or layer.
+        """
+        for source in self._sources.values():
+            if source.params:
+                name = names[source.params[0]]
+                raise ValueError(
+                    f"parameter {name!r} is used outside an nn.Linear or nn.Conv layer "
+                    "(e.g. by F.linear, a custom layer or a tied weight), so it has no "
+                    "Kronecker factors. Freeze it (requires_grad_(False)) or use "
+                    "ggnchunk.diag_ggn."
+                )
+        for call in self.calls:
+            if any(i in self.shared for i, _ in call.params):
+                raise ValueError(
+                    f"{_display(call.name)} ({type(call.ctx.module).__name__}) is called "
+                    "more than once or shares its parameters, so its GGN block has no "
+                    "single Kronecker factorization. Freeze it (requires_grad_(False)) "
+                    "or use ggnchunk.diag_ggn."
+                )
+            reason = call.rule.kron_check(call.ctx.module) if call.params else None
+            if reason is not None:
+                raise ValueError(
+                    f"{_display(call.name)} ({type(call.ctx.module).__name__}): {reason}. "
+                    "Freeze its parameters (requires_grad_(False)) or use "
+                    "ggnchunk.diag_ggn."
+                )
 
     def check_independent(self, output: Tensor) -> None:
         """Refuse models whose samples influence each other (before any real pass).

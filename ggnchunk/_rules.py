@@ -273,6 +273,50 @@ class LayerRule(ABC):
         """
         return None
 
+    kron = False
+    """Whether the rule gives Kronecker factors (``output_factor``, ``input_factor``)."""
+
+    def kron_check(self, module: nn.Module) -> str | None:
+        """Why this layer has no Kronecker factors, or ``None`` if it has.
+
+        Args:
+            module: The layer.
+
+        Returns:
+            A reason for the error message, or ``None``.
+        """
+        if not self.kron:
+            return (
+                "Kronecker factors are available for nn.Linear and nn.Conv1d/2d/3d "
+                "(groups=1) only"
+            )
+        return None
+
+    def output_factor(self, ctx: RuleContext, grads: Tensor) -> Tensor:
+        """``sum_{v, n} s_{vn} s_{vn}^T`` with ``s_{vn}`` the vector summed over positions.
+
+        The exact GGN block of the layer's bias (BackPACK's KFLR output factor).
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``[C_out, C_out]``.
+        """
+        raise NotImplementedError  # pragma: no cover - guarded by ``kron``
+
+    def input_factor(self, ctx: RuleContext) -> Tensor:
+        """``sum_n sum_p u_{np} u_{np}^T`` over the (unfolded) inputs, not normalized.
+
+        Args:
+            ctx: The call's context.
+
+        Returns:
+            ``[K, K]`` with ``K`` the weight's fan-in (``weight[0].numel()``).
+        """
+        raise NotImplementedError  # pragma: no cover - guarded by ``kron``
+
     def column_bytes(self, ctx: RuleContext, element: int) -> int:
         """Bytes the rule allocates per column of a chunk, at most (for memory plans).
 
@@ -296,6 +340,24 @@ class LayerRule(ABC):
             An upper bound.
         """
         return 0
+
+
+def _gram_of_sums(grads: Tensor, channel_axis: int) -> Tensor:
+    """``sum_{v, n} s s^T`` with ``s = grads[v, n]`` summed over all but the channel axis.
+
+    Args:
+        grads: ``[V, N, ...]``.
+        channel_axis: Axis of ``grads`` holding the channels.
+
+    Returns:
+        ``[C, C]``.
+    """
+    v, n = grads.shape[:2]
+    if n > 1 and grads.stride(1) == 0:  # the same vectors for every sample
+        return n * _gram_of_sums(grads[:, :1], channel_axis)
+    moved = grads.movedim(channel_axis, 2)
+    sums = moved.reshape(v * n, moved.shape[2], -1).sum(2)
+    return sums.T @ sums
 
 
 def _trainable(module: nn.Module, name: str) -> bool:
@@ -340,6 +402,16 @@ class LinearRule(LayerRule):
 
     def backprop(self, ctx, grads):
         return grads @ ctx.module.weight.detach()
+
+    kron = True
+
+    def output_factor(self, ctx, grads):
+        return _gram_of_sums(grads, grads.dim() - 1)
+
+    def input_factor(self, ctx):
+        x = ctx.x
+        flat = x.reshape(-1, x.shape[-1])
+        return flat.T @ flat
 
     def diag_onehot(self, ctx, mask):
         module, x = ctx.module, ctx.x
@@ -472,6 +544,26 @@ class ConvRule(LayerRule):
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             return None
         return _weight_gradient_of_squares(ctx, mask, transposed=False)
+
+    kron = True
+
+    def kron_check(self, module):
+        if module.groups != 1:
+            return (
+                f"Kronecker factors of grouped convolutions (groups={module.groups}) are "
+                "not one Kronecker product"
+            )
+        return None
+
+    def output_factor(self, ctx, grads):
+        return _gram_of_sums(grads, 2)
+
+    def input_factor(self, ctx):
+        patches = self._patches(ctx)[:, 0]  # [N, K, P]: groups == 1
+        result = patches.new_zeros(patches.shape[1], patches.shape[1])
+        for sample in patches:  # one [K, P] at a time: no second copy of the patches
+            result.addmm_(sample, sample.T)
+        return result
 
     def backprop(self, ctx, grads):
         module, x = ctx.module, ctx.x

@@ -1,4 +1,4 @@
-"""A laplace-torch curvature backend with exact, chunked GGN diagonals.
+"""A laplace-torch curvature backend: exact GGN diagonals and KFLR factors, chunked.
 
 Needs the optional dependency ``laplace-torch`` (``pip install 'ggnchunk[laplace]'``).
 
@@ -39,6 +39,7 @@ from ggnchunk._dataset import mapping_call
 
 try:
     from laplace.curvature import GGNInterface
+    from laplace.utils.matrix import Kron
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ggnchunk.laplace needs laplace-torch: pip install 'ggnchunk[laplace]' (or "
@@ -65,8 +66,9 @@ class ChunkedGGN(GGNInterface):
         **chunking: Options of :func:`ggnchunk.diag_ggn`: ``max_memory``,
             ``num_chunks``, ``chunk_size``, ``batch_chunk_size``, ``recover_oom``.
 
-    Only ``hessian_structure="diag"`` is supported: :meth:`kron` and :meth:`full` raise a
-    ``NotImplementedError`` that names laplace-torch's backends for those structures.
+    ``hessian_structure="diag"`` (:meth:`diag`) and ``"kron"`` (:meth:`kron`, the factors
+    of ``BackPackGGN(stochastic=False)``) are supported; :meth:`full` raises a
+    ``NotImplementedError`` that names laplace-torch's backends for it.
     """
 
     _OPTIONS = ("max_memory", "num_chunks", "chunk_size", "batch_chunk_size", "recover_oom")
@@ -122,6 +124,30 @@ class ChunkedGGN(GGNInterface):
             TypeError: For inputs or targets of an unsupported type.
             ValueError: For inputs and targets with different batch sizes.
         """
+        model, inputs, y = self._prepare(x, y)
+        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0)
+        flat = torch.cat([value.flatten() for value in result.diagonal])
+        if self.subnetwork_indices is not None:
+            flat = flat[self.subnetwork_indices]
+        return self.factor * result.loss, self.factor * flat
+
+    def _prepare(
+        self, x: Tensor | MutableMapping[str, Any] | tuple | list, y: Tensor
+    ) -> tuple[nn.Module, Any, Tensor]:
+        """The model to differentiate, its inputs and the targets, as ggnchunk needs them.
+
+        Args:
+            x: The batch's inputs (see :meth:`diag`).
+            y: Its targets.
+
+        Returns:
+            ``(model, inputs, targets)``.
+
+        Raises:
+            KeyError: For a dict without ``dict_key_x``.
+            TypeError: For targets that are not a tensor.
+            ValueError: For inputs and targets with different batch sizes.
+        """
         if not isinstance(y, Tensor):
             raise TypeError(f"y must be a torch.Tensor of targets, got {type(y).__name__}.")
         if isinstance(x, Mapping):
@@ -141,11 +167,7 @@ class ChunkedGGN(GGNInterface):
             y = y.reshape(-1)  # laplace-torch's y.view(-1) for logits [B, C]
         elif y.dim() >= 2:
             model = _ClassesLast(model)  # logits [B, ..., C], indices [B, ...]
-        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0)
-        flat = torch.cat([value.flatten() for value in result.diagonal])
-        if self.subnetwork_indices is not None:
-            flat = flat[self.subnetwork_indices]
-        return self.factor * result.loss, self.factor * flat
+        return model, inputs, y
 
     def _check_dict(self, x: Mapping[str, Any], y: Tensor) -> None:
         """Check a dict batch against laplace-torch's ``dict_key_x`` convention.
@@ -175,21 +197,58 @@ class ChunkedGGN(GGNInterface):
                 "the batched input tensor."
             )
 
-    def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
-        """Not available: ChunkedGGN computes the GGN diagonal only.
+    def kron(
+        self, x: Tensor | MutableMapping[str, Any] | tuple | list, y: Tensor, N: int,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Kron]:  # fmt: skip
+        """Loss and Kronecker-factored GGN of one batch, laplace-torch's convention.
+
+        The factors of ``BackPackGGN(stochastic=False)`` (BackPACK's KFLR, see
+        :func:`ggnchunk.kron_ggn`): ``[G, A * M / N]`` per weight and ``[G]`` per bias,
+        with ``M`` the batch size, in the order of the trainable parameters; the output
+        factors ``G`` are summed over chunks of the loss Hessian's square-root columns
+        within ``max_memory``.
+
+        Args:
+            x: Inputs, as in :meth:`diag`.
+            y: Targets, as in :meth:`diag`.
+            N: Number of samples of the whole dataset (the input factors are divided by
+                it, as laplace-torch's backends do).
+            **kwargs: laplace-torch's extra arguments, unused.
+
+        Returns:
+            ``(factor * loss, factor * Kron(...))``.
 
         Raises:
-            NotImplementedError: Always, saying which backend to use for ``"kron"``.
+            ValueError: For a trainable parameter outside ``nn.Linear``/``nn.Conv``
+                layers (named; freeze it or use ``hessian_structure="diag"``), and
+                everything :meth:`diag` refuses.
         """
-        raise NotImplementedError(_only_diag("kron"))
+        model, inputs, y = self._prepare(x, y)
+        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
+                           kron=True)  # fmt: skip
+        samples = result.report.batch_chunks[-1][1]  # the input factors are / samples
+        by_name: dict[str, list[Tensor]] = {}
+        for layer in result.factors.values():
+            if layer.weight is not None:
+                by_name[layer.weight] = [layer.output, layer.input * (samples / N)]
+            if layer.bias is not None:
+                by_name[layer.bias] = [layer.output.clone()]
+        kron = Kron([by_name[name] for name in result.names])
+        return self.factor * result.loss, self.factor * kron
 
     def full(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Not available: ChunkedGGN computes the GGN diagonal only.
+        """Not available: ChunkedGGN computes the diagonal and Kronecker factors only.
 
         Raises:
             NotImplementedError: Always, saying which backend to use for ``"full"``.
         """
-        raise NotImplementedError(_only_diag("full"))
+        raise NotImplementedError(
+            'ChunkedGGN computes hessian_structure="diag" and "kron" only; '
+            'hessian_structure="full" is not available. Use laplace-torch\'s BackPackGGN '
+            'or CurvlinopsGGN backend for it (e.g. Laplace(..., hessian_structure="full", '
+            "backend=CurvlinopsGGN))."
+        )
 
 
 class _ClassesLast(nn.Module):
@@ -218,21 +277,3 @@ class _ClassesLast(nn.Module):
             The logits ``[B, C, ...]``.
         """
         return self.model(*args, **kwargs).movedim(-1, 1)
-
-
-def _only_diag(structure: str) -> str:
-    """The message for a Hessian structure other than ``"diag"``.
-
-    Args:
-        structure: laplace-torch's ``hessian_structure`` (``"kron"`` or ``"full"``).
-
-    Returns:
-        What ChunkedGGN computes and what to use instead.
-    """
-    return (
-        'ChunkedGGN computes the exact GGN diagonal (hessian_structure="diag") only; '
-        f'hessian_structure="{structure}" is not available. Use hessian_structure="diag" '
-        "with ChunkedGGN, or laplace-torch's BackPackGGN or CurvlinopsGGN backend for "
-        f'"{structure}" (e.g. Laplace(..., hessian_structure="{structure}", '
-        "backend=CurvlinopsGGN))."
-    )

@@ -247,3 +247,101 @@ def assert_diag_close(
             f"{exp.flatten()[worst].item():.6e}); allowed {rtol:.0e} x {scale:.3e}; "
             f"{int((diff > rtol * scale).sum())} of {diff.numel()} entries off"
         )
+
+
+def _unfold_reference(module: nn.Module, x: Tensor) -> Tensor:
+    """A Conv1d/Conv2d's input patches ``[N, C_in * prod(kernel), P]`` with F.unfold."""
+    import torch.nn.functional as F
+
+    conv1d = isinstance(module, nn.Conv1d)
+    if conv1d:  # a Conv1d is a Conv2d over a height of 1
+        x = x.unsqueeze(2)
+    two = (lambda v: (1, v[0])) if conv1d else (lambda v: tuple(v))
+    kernel, stride, dilation = (two(module.kernel_size), two(module.stride),
+                                two(module.dilation))  # fmt: skip
+    if module.padding == "same":
+        pads = []
+        for k, d in zip(reversed(kernel), reversed(dilation), strict=True):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]
+    else:
+        padding = (0, 0) if module.padding == "valid" else tuple(module.padding)
+        if conv1d:
+            padding = (0, *padding)
+        pads = [padding[1], padding[1], padding[0], padding[0]]
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, pads, mode=mode)
+    return F.unfold(x, kernel, dilation=dilation, stride=stride)
+
+
+def reference_kron(
+    model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor
+) -> dict[str, tuple[Tensor, Tensor | None]]:
+    """Float64 KFLR factors ``(G, A)`` of every trainable Linear/Conv1d/Conv2d, brute force.
+
+    ``G = sum_n J_n^T H_n J_n`` with ``J_n`` the Jacobian (``torch.func.jacrev``) of sample
+    ``n``'s output w.r.t. a shift ``delta [C_out]`` added to the layer's output on every
+    position (a virtual bias) and ``H_n`` the loss Hessian w.r.t. that output;
+    ``A = (1/N) sum_n sum_p u u^T`` over the layer's inputs (``F.unfold`` patches for
+    convolutions), ``None`` for a frozen weight.
+    """
+    model = copy.deepcopy(model).double()
+    loss_func = copy.deepcopy(loss_func).double()
+    x, targets = _double(inputs), _double(targets)
+    batch = targets.shape[0]
+    with torch.no_grad():
+        outputs = model(x)
+    size = outputs[0].numel()
+    hessians = []
+    for n in range(batch):
+
+        def loss_of_sample(out_n: Tensor, n: int = n) -> Tensor:
+            full = torch.cat([outputs[:n], out_n.unsqueeze(0), outputs[n + 1 :]])
+            return loss_func(full, targets)
+
+        hessians.append(hessian(loss_of_sample)(outputs[n]).reshape(size, size))
+    result = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            continue
+        trainable = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not trainable:
+            continue
+        axis = -1 if isinstance(module, nn.Linear) else 1
+        channels = module.weight.shape[0]
+        state: dict[str, Any] = {}
+
+        def shift(mod, args, out, state=state, axis=axis):
+            state["input"] = args[0].detach()
+            shape = [1] * out.dim()
+            shape[axis] = -1
+            return out + state["delta"].reshape(shape)
+
+        handle = module.register_forward_hook(shift)
+        try:
+
+            def sample_output(delta: Tensor, n: int, state=state) -> Tensor:
+                state["delta"] = delta
+                return model(x[n : n + 1]).squeeze(0)
+
+            zero = torch.zeros(channels, dtype=torch.float64)
+            g = torch.zeros(channels, channels, dtype=torch.float64)
+            for n in range(batch):
+                jac = jacrev(sample_output)(zero, n).reshape(size, channels)
+                g += jac.T @ hessians[n] @ jac
+            state["delta"] = zero
+            with torch.no_grad():
+                model(x)
+        finally:
+            handle.remove()
+        a = None
+        if module.weight.requires_grad:
+            u = state["input"]
+            if isinstance(module, nn.Linear):
+                flat = u.reshape(-1, u.shape[-1])
+                a = flat.T @ flat / batch
+            else:
+                patches = _unfold_reference(module, u)
+                a = torch.einsum("nkp,nlp->kl", patches, patches) / batch
+        result[name] = (g, a)
+    return result
