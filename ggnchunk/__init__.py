@@ -19,7 +19,26 @@ from ggnchunk._scheduler import (
     plan_chunks,
 )
 
-_warm_up()  # one-time set-up of batched backward passes, outside every call's budget
+
+def _warm_up_engine() -> None:
+    """Pay the process's one-time set-up now, outside every call's ``max_memory``.
+
+    Batched backward passes (``torch.func``, about 40 MiB) and a first tiny call of the
+    engine (autograd's and the heap's first-use growth, about 6 MiB on CPU): the memory a
+    call adds, which ``max_memory`` bounds, is then the call's own.
+    """
+    import torch
+    from torch import nn
+
+    _warm_up()
+    with torch.random.fork_rng(devices=[]):  # the user's random state is not touched
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        x = torch.randn(3, 4)
+        diag_ggn(model, nn.MSELoss(), x, x[:, :2], num_chunks=2)
+
+
+_warm_up_engine()
 
 __version__ = "0.1.0"
 

@@ -157,7 +157,9 @@ def _compute(
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
     mean = problem.loss_func.reduction == "mean"
     tracker = PeakTracker(problem.device) if options.measured else None
-    baseline = tracker.current() if tracker is not None else None
+    baseline = (
+        getattr(tracker, "settled", tracker.current)() if tracker is not None else None
+    )
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop]

@@ -181,6 +181,23 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
     return number
 
 
+_LIBC: Any = None
+
+
+def _trim_heap() -> None:
+    """``malloc_trim(0)`` where the C library is glibc; nothing elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
 class PeakTracker:
     """Current and peak memory of one device, cheap enough to read around every chunk.
 
@@ -219,6 +236,20 @@ class PeakTracker:
         import psutil
 
         return psutil.Process().memory_info().rss
+
+    def settled(self) -> int:
+        """Bytes in use now, after the C heap gave its free pages back (CPU, glibc).
+
+        Memory the allocator keeps after ``free`` is still resident, so the resident set
+        size overstates what is in use; ``malloc_trim(0)`` returns it to the operating
+        system (nothing in use is touched). Used for the level a plan starts from.
+
+        Returns:
+            As :meth:`current`.
+        """
+        if self.device.type == "cpu":
+            _trim_heap()
+        return self.current()
 
     def measure(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
         """Run ``fn()``; return its result, the peak bytes in use during it, and seconds.

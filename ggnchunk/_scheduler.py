@@ -544,7 +544,8 @@ class _Run:
             own = peak - largest.level_before_bytes
             if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
                 size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
-                self._warn_overshoot(peak, budget, size)
+                if peak > budget:  # above the safety target only: shrink quietly
+                    self._warn_overshoot(peak, budget, size)
             elif grow and done == size and len(records) == 1 and peak <= target:
                 factor = (
                     2.0 if peak <= floor else min(2.0, (target - floor) / (peak - floor))
@@ -563,7 +564,8 @@ class _Run:
     def _from_cost(self, budget: int) -> _Decision:
         """The plan from the known bound; a budget below one index raises first."""
         fixed_bound, per_index = self.cost
-        level = max(0, self.tracker.current() - self.baseline)
+        settled = getattr(self.tracker, "settled", self.tracker.current)  # user trackers
+        level = max(0, settled() - self.baseline)
         fixed = level + fixed_bound
         if fixed + per_index > budget:
             raise MemoryBudgetError(
