@@ -8,10 +8,11 @@ loss, parameters, the layers with rules), checked once at the entry point.
 ``inplace=False`` on layers built with ``inplace=True`` (restored).
 
 Each backward sweep seeds columns ``start:stop`` of the loss Hessian's square root (see
-:mod:`ggnchunk._sqrt_hessians`) and adds the chunk's diagonal to :attr:`diagonal` only
-once the sweep has finished, so a chunk that fails (out of memory) can be retried in
-smaller pieces. The graph is kept until the ``with`` block ends: the forward pass is never
-run again.
+:mod:`ggnchunk._sqrt_hessians`) and adds each parameter's share to :attr:`diagonal` in
+place (no second parameter-sized accumulator per chunk); a sweep that fails (out of
+memory) remembers which parameters it finished, so its range can be retried in smaller
+pieces that leave those alone. The graph is kept until the ``with`` block ends: the
+forward pass is never run again.
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ class GGNComputation:
         self.loss: Tensor | None = None
         self._kron = kron
         self.diagonal: list[Tensor] = [] if kron else self._zeros()
+        self._partial: list[tuple[tuple[int, int], set[int]]] = []  # failed sweeps
         self.output_factors: dict[str, Tensor] = {}
         self.input_factors: dict[str, Tensor] = {}
 
@@ -380,15 +382,14 @@ class GGNComputation:
             Bytes (rule caches and the chunk's diagonal accumulators).
         """
         element = self._output.element_size()
-        if self._kron:  # factors are allocated with the forward pass; a chunk's own
-            sizes = [f.numel() for f in self.output_factors.values()]
-            return self._recording.fixed_bytes(element) + sum(sizes) * element
-        params = sum(p.numel() for p in self._problem.params) * element
-        if self._per_sample:
-            params *= self._batch.size
-        # the total is allocated before the forward pass (measured with it); each
-        # chunk's own accumulator comes on top
-        return self._recording.fixed_bytes(element) + params
+        for call in self._recording.calls:  # the Gram form's factors depend on it
+            call.ctx.columns = self.num_columns
+        if self._kron:  # no rule caches (patches dropped after the input factors); the
+            # totals are allocated with the forward pass, each chunk's own on top
+            return sum(f.numel() for f in self.output_factors.values()) * element
+        # the diagonal is allocated before the forward pass (measured with it) and the
+        # sweeps add to it in place
+        return self._recording.fixed_bytes(element)
 
     def _zeros(self) -> list[Tensor]:
         params = self._problem.params
@@ -405,7 +406,9 @@ class GGNComputation:
     def backward(self, start: int, stop: int) -> None:
         """Add the GGN diagonal of columns ``start:stop`` to :attr:`diagonal`.
 
-        Nothing is added if the pass fails, so a failed range can be retried.
+        A pass that fails may have added some parameters' diagonals already; they are
+        remembered, so a failed range can be retried in parts (ranges inside it) and
+        every column is still added exactly once per parameter.
 
         Args:
             start: First column (inclusive).
@@ -420,12 +423,21 @@ class GGNComputation:
             for index, value in factors.items():
                 self.output_factors[self._recording.calls[index].name].add_(value)
             return
-        chunk = self._zeros()
+        # added in place, each parameter once; a sweep that fails (out of memory) is
+        # retried in parts of its range, which leave the parameters it finished alone
+        skip = set().union(
+            *(done for (a, b), done in self._partial if a <= start and stop <= b)
+        )
+        done: set[int] = set()
         seed = factor.columns(start, stop)
-        self._recording.sweep(seed, chunk, mask=factor.squared_mask(start, stop))
-        del seed
-        for total, value in zip(self.diagonal, chunk, strict=True):
-            total.add_(value)
+        try:
+            self._recording.sweep(
+                seed, self.diagonal, mask=factor.squared_mask(start, stop), skip=skip,
+                done=done,
+            )  # fmt: skip
+        except BaseException:
+            self._partial.append(((start, stop), done))
+            raise
 
     def gradient(self) -> list[Tensor | None]:
         """The gradient of the (scaled-as-computed) loss w.r.t. the parameters.

@@ -345,6 +345,8 @@ class Recording:
         visit: Callable[[str, Tensor], None] | None = None,
         mask: Tensor | None = None,
         factors: dict[int, Tensor] | None = None,
+        skip: set[int] | frozenset[int] = frozenset(),
+        done: set[int] | None = None,
     ) -> None:
         """Backpropagate ``seed`` (``[V, N, *output]``) and add parameter diagonals.
 
@@ -357,6 +359,11 @@ class Recording:
                 layer that produces the model output takes its diagonal from it.
             factors: Kronecker output factors, added per call index (for the calls
                 with trainable parameters; see :meth:`check_kron`).
+            skip: Parameters whose diagonal already holds these columns (from a sweep
+                over a larger range that failed after adding them): left alone.
+            done: Receives the index of every parameter whose diagonal was added to
+                (each parameter is added to exactly once per sweep, so a failed sweep
+                says which parameters hold its columns already).
         """
         v, n = seed.shape[:2]
         outs: dict[EdgeKey, Tensor] = {}
@@ -366,6 +373,13 @@ class Recording:
         def add(store: dict, key: EdgeKey, value: Tensor) -> None:
             old = store.get(key)
             store[key] = value if old is None else old + value
+
+        def contribute(index: int, value: Tensor) -> None:
+            if index in skip:
+                return
+            diagonal[index] += value
+            if done is not None:
+                done.add(index)
 
         def per_sample(index: int, value: Tensor) -> None:
             if index in buffers:
@@ -418,7 +432,7 @@ class Recording:
                 onehot = call.rule.diag_onehot(call.ctx, mask)
             if onehot is not None:
                 for i, pname in call.params:
-                    diagonal[i] += onehot[pname]
+                    contribute(i, onehot[pname])
             elif diagonal is not None and call.params:
                 if any(i in self.shared for i, _ in call.params):
                     products = call.rule.per_sample(call.ctx, grads)
@@ -426,11 +440,11 @@ class Recording:
                         if i in self.shared:
                             per_sample(i, products[pname])
                         else:
-                            diagonal[i] += products[pname].square().sum((0, 1))
+                            contribute(i, products[pname].square().sum((0, 1)))
                 else:
                     values = call.rule.diag(call.ctx, grads)
                     for i, pname in call.params:
-                        diagonal[i] += values[pname]
+                        contribute(i, values[pname])
             if call.leaf is None:
                 continue
             back = None
@@ -457,7 +471,7 @@ class Recording:
         if diagonal is not None:
             axes = 0 if self.per_sample else (0, 1)
             for i, value in buffers.items():
-                diagonal[i] += value.square().sum(axes)
+                contribute(i, value.square().sum(axes))
 
     def gradient(self, seed: Tensor) -> list[Tensor | None]:
         """The loss gradient: ``seed`` (``dL/doutput``) backpropagated to the parameters.

@@ -91,7 +91,9 @@ def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> 
     return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
 
 
-def square_sum_bytes(n: int, g: int, o: int, k: int, p: int) -> tuple[int, int]:
+def square_sum_bytes(
+    n: int, g: int, o: int, k: int, p: int, columns: int = 2**20
+) -> tuple[int, int]:
     """Elements :func:`square_sum` may keep: ``(fixed per chunk, per column)``.
 
     Args:
@@ -100,6 +102,8 @@ def square_sum_bytes(n: int, g: int, o: int, k: int, p: int) -> tuple[int, int]:
         o: Rows per group of the chunk-dependent side.
         k: Rows per group of the fixed side.
         p: Positions.
+        columns: Most columns a chunk can have (the Gram form is chosen for large
+            chunks only, so whether its factors are kept depends on it).
 
     Returns:
         Upper bounds in elements: the Gram factors (if the Gram form may be chosen) and
@@ -107,7 +111,7 @@ def square_sum_bytes(n: int, g: int, o: int, k: int, p: int) -> tuple[int, int]:
     """
     if p == 1:  # squares summed over the columns first: nothing per column
         return n * g * (o + k), 0
-    gram = _use_gram(1, n, g, o, k, p) or _use_gram(2**20, n, g, o, k, p)
+    gram = _use_gram(1, n, g, o, k, p) or _use_gram(columns, n, g, o, k, p)
     fixed = n * g * p * p * (o + k) if gram else 0
     per_column = o * k if g == 1 else n * g * o * k
     return fixed, per_column
@@ -172,6 +176,7 @@ class RuleContext:
         versions: Their version counters then (an in-place change is detected).
         out_shape: Shape of the layer's output.
         extra: Anything else the rule stored (running statistics, caches).
+        columns: Most columns a chunk can have (set once they are known; for bounds).
     """
 
     module: nn.Module
@@ -179,6 +184,7 @@ class RuleContext:
     versions: tuple[int, ...]
     out_shape: tuple[int, ...]
     extra: dict[str, Any] = field(default_factory=dict)
+    columns: int = 2**20
 
     @property
     def x(self) -> Tensor:
@@ -428,8 +434,9 @@ class LinearRule(LayerRule):
     def _sizes(ctx: RuleContext) -> tuple[int, int]:
         x = ctx.x
         fixed, per_column = square_sum_bytes(
-            x.shape[0], 1, ctx.out_shape[-1], x.shape[-1], x[0].numel() // x.shape[-1]
-        )
+            x.shape[0], 1, ctx.out_shape[-1], x.shape[-1], x[0].numel() // x.shape[-1],
+            ctx.columns,
+        )  # fmt: skip
         return fixed, per_column
 
     def column_bytes(self, ctx, element):
@@ -586,7 +593,9 @@ class ConvRule(LayerRule):
         n, g = ctx.out_shape[0], module.groups
         positions = math.prod(ctx.out_shape[2:])
         k = module.weight.numel() // module.out_channels
-        fixed, per_column = square_sum_bytes(n, g, module.out_channels // g, k, positions)
+        fixed, per_column = square_sum_bytes(
+            n, g, module.out_channels // g, k, positions, ctx.columns
+        )
         return fixed + 2 * n * g * k * positions, per_column, positions
 
     def column_bytes(self, ctx, element):

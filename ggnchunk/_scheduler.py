@@ -104,7 +104,7 @@ def plan_chunks(
 _SAFETY = {"cuda": 0.92, "cpu": 0.8}
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
-_MIN_GAIN = 0.05  # a smaller trial size must be this much faster per index to be chosen
+_MIN_GAIN = 0.10  # a smaller trial size must be this much faster per index to be chosen
 
 
 class MemoryBudgetError(MemoryError):
@@ -650,9 +650,10 @@ class _Run:
         includes every range that fits in one chunk). Auto mode then continues exactly
         as budget mode does (``grow`` is true).
 
-        Otherwise the budget's size ``size_max`` is timed first (the chunk budget mode
-        would run, so this trial costs nothing extra), then half of it, a quarter, ...
-        as long as each halving is at least 5% faster per index (time per index is
+        Otherwise the budget's size ``size_max`` is timed first, on two chunks (those
+        budget mode would run, so these trials cost nothing extra; the faster one counts,
+        as the first pays one-time costs of the size), then half of it, a quarter, ...
+        as long as each halving is at least 10% faster per index (time per index is
         U-shaped in the chunk size: fixed costs per pass on the left, memory traffic on
         the right) and the trials stay within ``_TRIAL_SHARE`` of the range. Every trial
         is real work, and the choice is cached by the caller. ``grow`` is true when
@@ -671,6 +672,16 @@ class _Run:
             columns = sum(r.stop - r.start for r in records)
             rate = sum(r.seconds for r in records) / columns
             done = max(r.stop - r.start for r in records)
+            if size == size_max and used + size <= allowance and start < self.total:
+                # the first chunk of the largest size pays one-time costs (fresh pages,
+                # the allocator adapting to the size): its second chunk is the rate
+                again = self.run_range(start, min(self.total, start + size))
+                start = again[-1].stop
+                used += size
+                rate = min(
+                    rate,
+                    sum(r.seconds for r in again) / sum(r.stop - r.start for r in again),
+                )
             if rate >= (1.0 - _MIN_GAIN) * best_rate:
                 break  # past the sweet spot, or too little gain for more passes
             best, best_rate = done, rate

@@ -272,3 +272,32 @@ def test_a_failed_pass_adds_nothing_and_never_reruns_the_forward(monkeypatch):
     assert torch.equal(torch.get_rng_state(), expected_state)
     assert_diag_close(actual, expected, rtol=1e-5)
     assert_diag_close(actual, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])  # the output layer takes its one-hot form
+def test_a_pass_that_fails_after_adding_some_parameters_is_retried_exactly(
+    monkeypatch, fail_at
+):
+    """Sweeps add to the diagonal in place: a retry must not add finished layers twice."""
+    from ggnchunk._rules import LinearRule
+    from tests.reference import reference_diag_ggn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4)
+    ).double()
+    x, y = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    real_diag, calls = LinearRule.diag, []
+
+    def diag(self, ctx, grads):
+        calls.append(grads.shape[0])
+        if len(calls) == fail_at:  # the first sweep (all 4 columns) fails here
+            raise torch.OutOfMemoryError("simulated: out of memory in a layer's rule")
+        return real_diag(self, ctx, grads)
+
+    monkeypatch.setattr(LinearRule, "diag", diag)
+    with pytest.warns(OutOfMemoryRecoveryWarning):
+        actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=1)
+    assert calls[0] == 4 and len(calls) > 2
+    assert_diag_close(actual, expected, rtol=1e-10)
