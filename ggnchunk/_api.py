@@ -151,9 +151,9 @@ def _compute(
     )  # fmt: skip
     params = problem.params
     kron = factors is not None
-    total = [] if kron else [torch.zeros_like(p) for p in params]
+    total: list[Tensor] | None = [] if kron else None  # the first sub-batch's own
     parts: list[list[Tensor]] = []  # per-sample diagonals of the sub-batches
-    gradient = [torch.zeros_like(p) for p in params]
+    gradient = [torch.zeros_like(p) for p in params] if need_gradient else []
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
     mean = problem.loss_func.reduction == "mean"
     tracker = PeakTracker(problem.device) if options.measured else None
@@ -203,6 +203,8 @@ def _compute(
                     store[name] = store[name] + value if name in store else value
         elif per_sample:
             parts.append(run.diagonal)
+        elif total is None:
+            total = run.diagonal  # no second parameter-sized buffer for one sub-batch
         else:
             for acc, value in zip(total, run.diagonal, strict=True):
                 acc.add_(value)
