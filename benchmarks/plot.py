@@ -259,7 +259,9 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
                 time_ratio,
                 _fmt(r.get("peak_mib"), ",.1f"),
                 mem_ratio,
-                _fmt(r.get("cold_peak_mib"), ",.1f"),
+                _fmt(r.get("cold_peak_mib"), ",.1f")
+                if "cold_error" not in r
+                else r["cold_error"].split(":")[0],
             ]
             cells += [_fmt(r.get("pinned_peak_mib"), ",.1f")] if pinned else []
             cells += [_fmt(rate, ".2f"), _fmt(share, ".1%"), _fmt(r.get("rel_diff"), ".1e")]

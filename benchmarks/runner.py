@@ -153,8 +153,12 @@ def run_here(
     diag = None
     if mode in ("memory", "both"):
         if cold:
-            record["cold_peak_mib"], _, first = peak_extra_mib(call, device, peak)
-            diag = _unpack(first, record)
+            try:
+                record["cold_peak_mib"], _, first = peak_extra_mib(call, device, peak)
+                diag = _unpack(first, record)
+            except MemoryError as error:  # MemoryBudgetError: the process's one-time
+                # set-up counts in a first call; the warm call is still measured
+                record["cold_error"] = f"{type(error).__name__}: {error}"
         else:  # warm up without measuring, measure the warm call only
             with counter:
                 diag = _unpack(call(), record)

@@ -11,8 +11,14 @@ from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
 from ggnchunk._engine import GGNComputation, Problem, check_kron_parameters, model_lock
 from ggnchunk._kron import KronFactors, assemble
-from ggnchunk._memory import PeakTracker
-from ggnchunk._scheduler import ChunkScheduler, ScheduleReport, check_chunking, plan_chunks
+from ggnchunk._memory import PeakTracker, parse_memory
+from ggnchunk._scheduler import (
+    ChunkScheduler,
+    ScheduleReport,
+    check_chunking,
+    passes_within,
+    plan_chunks,
+)
 
 
 @dataclass
@@ -23,11 +29,15 @@ class GGNReport:
         num_columns: Columns of the loss Hessian's square root per forward pass.
         batch_chunks: ``(start, stop)`` sample ranges, one forward pass each.
         schedules: One :class:`~ggnchunk.ScheduleReport` per sample range.
+        lean: Whether a tight ``max_memory`` made the passes lean: convolutions'
+            patches unfolded one sample at a time in every pass instead of kept for the
+            forward pass (less memory, more time).
     """
 
     num_columns: int = 0
     batch_chunks: list[tuple[int, int]] = field(default_factory=list)
     schedules: list[ScheduleReport] = field(default_factory=list)
+    lean: bool = False
 
     @property
     def chunk_size(self) -> int:
@@ -133,6 +143,27 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
+def _choose_lean(
+    run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
+    total: int, device: torch.device,
+) -> tuple[int, int, bool]:  # fmt: skip
+    """Run lean (no per-forward caches) where that at least halves the passes.
+
+    Returns:
+        The cost to plan with and whether the run is lean.
+    """
+    settled = getattr(tracker, "settled", tracker.current)
+    level = max(0, settled() - baseline)
+    run.set_lean(True)
+    lean = (run.fixed_bytes(), cost[1])
+    if 2 * passes_within(budget, device, level, *lean, total) <= passes_within(
+        budget, device, level, *cost, total
+    ):
+        return (*lean, True)
+    run.set_lean(False)
+    return (*cost, False)
+
+
 def _compute(
     problem: Problem, batch: Batch, targets: Tensor, options: ChunkOptions, scale: float,
     need_gradient: bool, group=None, per_sample: bool = False,
@@ -183,6 +214,11 @@ def _compute(
 
         if last > first:
             cost = (run.fixed_bytes(), run.column_bytes())
+            if local.max_memory is not None and tracker is not None:
+                cost = _choose_lean(run, cost, parse_memory(local.max_memory), tracker,
+                                    baseline, last - first, problem.device)  # fmt: skip
+                report.lean = report.lean or cost[2]
+                cost = cost[:2]
             _, schedule = scheduler.run(
                 last - first, backward, baseline=baseline, cost=cost
             )

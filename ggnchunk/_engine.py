@@ -391,6 +391,22 @@ class GGNComputation:
         # sweeps add to it in place
         return self._recording.fixed_bytes(element)
 
+    def set_lean(self, lean: bool) -> None:
+        """Keep no recomputable per-forward caches (for tight budgets), or keep them.
+
+        Lean sweeps unfold a convolution's input one sample at a time in every chunk
+        instead of once per forward pass: less memory, more time. Call before the first
+        backward pass; :meth:`fixed_bytes` follows.
+
+        Args:
+            lean: Whether to run lean.
+        """
+        for call in self._recording.calls:
+            call.ctx.lean = lean
+            if lean:
+                call.ctx.extra.pop("patches", None)
+                call.ctx.extra.pop("squares", None)
+
     def _zeros(self) -> list[Tensor]:
         params = self._problem.params
         if self._per_sample:

@@ -224,6 +224,9 @@ class Recording:
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
         self.shared = {i for i, count in uses.items() if count > 1 or self.per_sample}
+        for call in self.calls:
+            call.ctx.shared = any(i in self.shared for i, _ in call.params)
+            call.ctx.output = edge_key(call.out_edge) == self.output_key
         self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
 
     def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
@@ -335,7 +338,11 @@ class Recording:
         Returns:
             An upper bound.
         """
-        return sum(call.rule.fixed_bytes(call.ctx, element) for call in self.calls)
+        kept = sum(call.rule.fixed_bytes(call.ctx, element) for call in self.calls)
+        transient = max(
+            (call.rule.transient_bytes(call.ctx, element) for call in self.calls), default=0
+        )
+        return kept + transient
 
     # -- sweeps ----------------------------------------------------------------------
     def sweep(

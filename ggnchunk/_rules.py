@@ -48,30 +48,35 @@ __all__ = [
 _GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
 
 
-def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int) -> bool:
+def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
     if p == 1:
         return True
     if n * g * p * p * (o + k) > _GRAM_LIMIT:  # P x P factors too large to keep
         return False
+    if lean:  # memory first: factors no larger than one column of the direct form
+        return n * p * p * (o + k) <= o * k and n * o * p <= o * k
     direct = 2 * v * n * g * o * k * p + v * n * g * o * k
     gram = 2 * v * n * g * o * p * p + 2 * n * g * o * k * p * p
     return gram < direct
 
 
-def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+def square_sum(
+    a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None, lean: bool = False
+) -> Tensor:
     """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
 
     Args:
         a: ``[V, N, G, O, P]`` (chunk-dependent side).
         b: ``[N, G, K, P]`` (fixed for the forward pass).
         cache: Where the Gram factor of ``b`` is kept between chunks.
+        lean: Choose the form by memory rather than by work (a tight budget).
 
     Returns:
         ``[G, O, K]``.
     """
     v, n, g, o, p = a.shape
     k = b.shape[2]
-    if _use_gram(v, n, g, o, k, p):
+    if _use_gram(v, n, g, o, k, p, lean):
         if p == 1:
             return torch.einsum(
                 "ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square()
@@ -86,13 +91,13 @@ def square_sum(a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None) -> 
     if g == 1:  # per sample: [V, O, P] @ [P, K] reads ``a`` in place (no permuted copy)
         total = a.new_zeros(o, k)
         for i in range(n):
-            total += torch.matmul(a[:, i, 0], b[i, 0].T).square().sum(0)
+            total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
         return total.unsqueeze(0)
     return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
 
 
 def square_sum_bytes(
-    n: int, g: int, o: int, k: int, p: int, columns: int = 2**20
+    n: int, g: int, o: int, k: int, p: int, columns: int = 2**20, lean: bool = False
 ) -> tuple[int, int]:
     """Elements :func:`square_sum` may keep: ``(fixed per chunk, per column)``.
 
@@ -104,6 +109,7 @@ def square_sum_bytes(
         p: Positions.
         columns: Most columns a chunk can have (the Gram form is chosen for large
             chunks only, so whether its factors are kept depends on it).
+        lean: The form is chosen by memory (then it does not depend on the chunk).
 
     Returns:
         Upper bounds in elements: the Gram factors (if the Gram form may be chosen) and
@@ -111,6 +117,10 @@ def square_sum_bytes(
     """
     if p == 1:  # squares summed over the columns first: nothing per column
         return n * g * (o + k), 0
+    if lean:
+        if _use_gram(1, n, g, o, k, p, lean=True):  # both factors; ``a`` copied once
+            return n * g * p * p * (o + k), n * g * o * p
+        return 0, g * o * k  # one sample at a time
     gram = _use_gram(1, n, g, o, k, p) or _use_gram(columns, n, g, o, k, p)
     fixed = n * g * p * p * (o + k) if gram else 0
     per_column = o * k if g == 1 else n * g * o * k
@@ -177,6 +187,10 @@ class RuleContext:
         out_shape: Shape of the layer's output.
         extra: Anything else the rule stored (running statistics, caches).
         columns: Most columns a chunk can have (set once they are known; for bounds).
+        lean: Keep no per-forward caches that can be recomputed per sample (a tight
+            memory budget: unfolded patches are made one sample at a time per chunk).
+        shared: The layer's parameters take the per-sample products' path.
+        output: The layer produces the model output.
     """
 
     module: nn.Module
@@ -185,6 +199,9 @@ class RuleContext:
     out_shape: tuple[int, ...]
     extra: dict[str, Any] = field(default_factory=dict)
     columns: int = 2**20
+    lean: bool = False
+    shared: bool = False
+    output: bool = False
 
     @property
     def x(self) -> Tensor:
@@ -347,6 +364,20 @@ class LayerRule(ABC):
         """
         return 0
 
+    def transient_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule allocates and frees within its step, whatever the chunk size.
+
+        Only one layer's step runs at a time, so a plan adds the largest of these.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return 0
+
 
 def _gram_of_sums(grads: Tensor, channel_axis: int) -> Tensor:
     """``sum_{v, n} s s^T`` with ``s = grads[v, n]`` summed over all but the channel axis.
@@ -473,7 +504,9 @@ def _weight_gradient_of_squares(
     dims = x.dim() - 2
     squares = ctx.extra.get("squares")
     if squares is None:
-        squares = ctx.extra["squares"] = x.square()
+        squares = x.square()
+        if not ctx.lean:
+            ctx.extra["squares"] = squares
     mask = mask.expand(x.shape[0], *mask.shape[1:])
     out = {}
     if _trainable(module, "weight"):
@@ -497,11 +530,14 @@ class ConvRule(LayerRule):
     classes = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     description = "groups, dilation, stride, all padding modes; patches unfolded once"
 
-    def _patches(self, ctx: RuleContext) -> Tensor:
+    def _patches(self, ctx: RuleContext, sample: int | None = None) -> Tensor:
+        """``[N, G, K, P]`` (cached unless lean), or ``[1, G, K, P]`` of one sample."""
         cached = ctx.extra.get("patches")
         if cached is not None:
-            return cached
+            return cached if sample is None else cached[sample : sample + 1]
         module, x = ctx.module, ctx.x
+        if sample is not None:
+            x = x[sample : sample + 1]
         dims = x.dim() - 2
         pads = _explicit_padding(module, dims)
         flat = [p for pair in reversed(pads) for p in pair]
@@ -514,7 +550,8 @@ class ConvRule(LayerRule):
         )  # fmt: skip
         g = module.groups
         patches = patches.reshape(x.shape[0], g, -1, patches.shape[-1])  # [N, G, K, P]
-        ctx.extra["patches"] = patches
+        if sample is None and not ctx.lean:
+            ctx.extra["patches"] = patches
         return patches
 
     def _a(self, ctx: RuleContext, grads: Tensor) -> Tensor:
@@ -526,8 +563,22 @@ class ConvRule(LayerRule):
         module, out = ctx.module, {}
         a = self._a(ctx, grads)
         if _trainable(module, "weight"):
-            b = self._patches(ctx)
-            out["weight"] = square_sum(a, b, ctx.extra).reshape(module.weight.shape)
+            v, n, g, o, p = a.shape
+            k = module.weight[0].numel()
+            if ctx.lean and not _use_gram(v, n, g, o, k, p, lean=True):
+                # one sample's patches at a time, made again in every chunk
+                total = a.new_zeros(g, o, k)
+                for i in range(n):
+                    b = self._patches(ctx, i)[0]  # [G, K, P]
+                    total += torch.einsum("vgop,gkp->vgok", a[:, i], b).square_().sum(0)
+                out["weight"] = total.reshape(module.weight.shape)
+            else:
+                if ctx.lean and "gram" in ctx.extra:  # the factor is built: only the
+                    b = a.new_empty(()).expand(n, g, k, p)  # shape is read, no patches
+                else:
+                    b = self._patches(ctx)
+                weight = square_sum(a, b, ctx.extra, ctx.lean)
+                out["weight"] = weight.reshape(module.weight.shape)
         if _trainable(module, "bias"):
             out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
         return out
@@ -593,16 +644,29 @@ class ConvRule(LayerRule):
         n, g = ctx.out_shape[0], module.groups
         positions = math.prod(ctx.out_shape[2:])
         k = module.weight.numel() // module.out_channels
-        fixed, per_column = square_sum_bytes(
-            n, g, module.out_channels // g, k, positions, ctx.columns
-        )
-        return fixed + 2 * n * g * k * positions, per_column, positions
+        o = module.out_channels // g
+        patches = 2 * n * g * k * positions  # padded input and unfolded patches
+        if not ctx.lean:
+            fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
+            return fixed + patches, per_column, 0
+        # lean: nothing kept but Gram factors; all patches at once only to build those
+        # (and for per-sample products), one sample's otherwise; the input's squares for
+        # the output layer's one-hot form
+        fixed, per_column = square_sum_bytes(n, g, o, k, positions, lean=True)
+        whole = fixed > 0 or ctx.shared
+        transient = patches if whole else 2 * g * k * positions
+        if ctx.output:
+            transient += ctx.x.numel()
+        return fixed, per_column, transient
 
     def column_bytes(self, ctx, element):
         return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
 
     def fixed_bytes(self, ctx, element):
         return self._sizes(ctx)[0] * element
+
+    def transient_bytes(self, ctx, element):
+        return self._sizes(ctx)[2] * element
 
 
 class ConvTransposeRule(LayerRule):

@@ -8,6 +8,7 @@ timing, and recovers from out-of-memory errors.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -105,6 +106,29 @@ _SAFETY = {"cuda": 0.92, "cpu": 0.8}
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
 _MIN_GAIN = 0.10  # a smaller trial size must be this much faster per index to be chosen
+
+
+def passes_within(
+    budget: int, device: torch.device, level: int, fixed: int, per_index: int, total: int
+) -> float:
+    """Passes budget mode plans for ``total`` indices with this cost; ``inf`` if none fit.
+
+    Args:
+        budget: The budget in bytes.
+        device: Where the work runs (its safety margin applies).
+        level: Bytes already in use above the call's baseline.
+        fixed: Bytes a pass needs whatever its size.
+        per_index: Bytes per index of a pass.
+        total: Number of indices.
+
+    Returns:
+        The number of passes, or ``math.inf``.
+    """
+    if level + fixed + per_index > budget:
+        return math.inf
+    room = _SAFETY.get(device.type, _SAFETY["cpu"]) * budget - level - fixed
+    size = max(1, min(total, int(room // max(per_index, 1))))
+    return math.ceil(total / size)
 
 
 class MemoryBudgetError(MemoryError):

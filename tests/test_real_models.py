@@ -450,3 +450,31 @@ def test_reference_replays_each_samples_draw():
     torch.testing.assert_close(expected["lin.weight"], diag_w, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="draws randomness"):
         reference_diag_ggn(model, loss_func, x, y)
+
+
+LEAN = [
+    _param(case, slow=False)
+    for case in CASES
+    if "random" not in case.tags and case.id != "tv-convnext_tiny"
+]
+
+
+@pytest.mark.parametrize("case_id", LEAN)
+@pytest.mark.parametrize("chunking", [{"chunk_size": 1}, {"num_chunks": 2}])
+def test_lean_passes_match_brute_force(case_id, chunking, monkeypatch):
+    """Lean passes (a tight budget: patches unfolded per sample in every pass) are exact."""
+    from ggnchunk._engine import GGNComputation
+
+    forward = GGNComputation.forward
+
+    def lean_forward(self):
+        output = forward(self)
+        self.set_lean(True)
+        return output
+
+    monkeypatch.setattr(GGNComputation, "forward", lean_forward)
+    problem = BY_ID[case_id].make()
+    actual = ggnchunk.diag_ggn(
+        problem.model, problem.loss_func, problem.inputs, problem.targets, **chunking
+    )
+    assert_diag_close(actual, _expected(case_id), rtol=1e-9, label=f"lean {case_id}")

@@ -81,9 +81,21 @@ def _randomize(layer: nn.Module) -> None:
         param.data.normal_()
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["cached", "lean"])
 @pytest.mark.parametrize("shared", [False, True], ids=["single", "shared"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_rule_is_exact(name, shared):
+def test_rule_is_exact(name, shared, lean, monkeypatch):
+    if lean:  # a tight budget's passes: no per-forward caches
+        from ggnchunk._engine import GGNComputation
+
+        forward = GGNComputation.forward
+
+        def lean_forward(self):
+            output = forward(self)
+            self.set_lean(True)
+            return output
+
+        monkeypatch.setattr(GGNComputation, "forward", lean_forward)
     torch.manual_seed(0)
     build, shape = LAYERS[name]
     layer = build().double().eval()
@@ -96,7 +108,7 @@ def test_rule_is_exact(name, shared):
     y = torch.randn_like(out)
     loss_func = nn.MSELoss(reduction="sum")
     expected = reference_diag_ggn(model, loss_func, x, y)
-    for kwargs in ({}, {"num_chunks": 3}):
+    for kwargs in ({}, {"num_chunks": 3}, {"chunk_size": 1}):
         actual = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
         assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} {kwargs}")
 
