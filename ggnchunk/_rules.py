@@ -46,6 +46,7 @@ __all__ = [
 
 
 _GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
+_BLOCK = 2**20  # elements of one batched product of the direct form (4 MiB in float32)
 
 
 def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
@@ -88,10 +89,15 @@ def square_sum(
                 cache["gram"] = bb
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
-    if g == 1:  # per sample: [V, O, P] @ [P, K] reads ``a`` in place (no permuted copy)
+    if g == 1:  # blocks of samples: [B, V, O, P] @ [B, 1, P, K], at most _BLOCK elements
+        step = 1 if lean else max(1, _BLOCK // max(v * o * k, 1))
         total = a.new_zeros(o, k)
-        for i in range(n):
-            total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
+        for i in range(0, n, step):
+            block = torch.matmul(
+                a[:, i : i + step, 0].transpose(0, 1),
+                b[i : i + step, 0].transpose(1, 2).unsqueeze(1),
+            )
+            total += block.square_().sum((0, 1))
         return total.unsqueeze(0)
     return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
 
@@ -476,6 +482,9 @@ class LinearRule(LayerRule):
     def fixed_bytes(self, ctx, element):
         return self._sizes(ctx)[0] * element
 
+    def transient_bytes(self, ctx, element):
+        return 0 if ctx.lean else _BLOCK * element  # samples batched in the direct form
+
 
 def _tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
@@ -648,7 +657,7 @@ class ConvRule(LayerRule):
         patches = 2 * n * g * k * positions  # padded input and unfolded patches
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
-            return fixed + patches, per_column, 0
+            return fixed + patches, per_column, _BLOCK
         # lean: nothing kept but Gram factors; all patches at once only to build those
         # (and for per-sample products), one sample's otherwise; the input's squares for
         # the output layer's one-hot form
@@ -722,7 +731,7 @@ class ConvTransposeRule(LayerRule):
             result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
             for j, offset in enumerate(offsets):
                 a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
-                result[:, :, j] = square_sum(a, b)
+                result[:, :, j] = square_sum(a, b, ctx.extra)  # one Gram factor of b
             out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
         if _trainable(module, "bias"):
             out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
@@ -763,6 +772,15 @@ class ConvTransposeRule(LayerRule):
         kernel = math.prod(_tuple(module.kernel_size, x.dim() - 2))
         products = module.weight.numel() // kernel
         return (2 * out + per_offset + products + math.prod(x.shape)) * element
+
+    def fixed_bytes(self, ctx, element):
+        module, x = ctx.module, ctx.x
+        n, g, p = x.shape[0], module.groups, math.prod(x.shape[2:])
+        o, k = module.out_channels // g, module.in_channels // g
+        return square_sum_bytes(n, g, o, k, p, ctx.columns)[0] * element  # Gram factor
+
+    def transient_bytes(self, ctx, element):
+        return _BLOCK * element  # samples batched in the direct form
 
 
 class _NormRule(LayerRule):
