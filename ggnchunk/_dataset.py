@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, _evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
+from ggnchunk._sqrt_hessians import as_loss_module
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
 
@@ -233,7 +234,8 @@ class DiagGGNAccumulator:
                 f"unknown option(s) {sorted(unknown)}; DiagGGNAccumulator takes "
                 f"{', '.join(self._OPTIONS)}."
             )
-        self.model, self.loss_func = model, loss_func
+        # a plain function loss(output, target) is a sum (its module form says so)
+        self.model, self.loss_func = model, as_loss_module(loss_func)
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.options = {"recover_oom": True, **dict.fromkeys(self._OPTIONS[:4]), **options}
         self._chunking = ChunkOptions(**self.options)

@@ -359,7 +359,7 @@ class GGNComputation:
             ).detach()
             if any(pname == "weight" for _, pname in call.params):
                 self.input_factors[call.name] = call.rule.input_factor(call.ctx)
-                call.ctx.extra.clear()  # unfolded patches: not needed by the sweeps
+                call.ctx.extra.pop("patches", None)  # not needed by the sweeps
 
     @property
     def num_columns(self) -> int:

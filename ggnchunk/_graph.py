@@ -172,6 +172,7 @@ class Recording:
         leaf, source, version = entry[:3]
         x = leaf if leaf is not None else entry[3]
         ctx = RuleContext(module, (x,), (version,), tuple(output.shape))
+        ctx.node = output.grad_fn
         rule.record(ctx)
         params = [
             (self._param_index[id(p)], pname)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,15 +90,14 @@ def square_sum(
                 cache["gram"] = bb
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
-    if g == 1:  # blocks of samples: [B, V, O, P] @ [B, 1, P, K], at most _BLOCK elements
+    if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most _BLOCK elements
         step = 1 if lean else max(1, _BLOCK // max(v * o * k, 1))
         total = a.new_zeros(o, k)
         for i in range(0, n, step):
-            block = torch.matmul(
-                a[:, i : i + step, 0].transpose(0, 1),
-                b[i : i + step, 0].transpose(1, 2).unsqueeze(1),
-            )
-            total += block.square_().sum((0, 1))
+            rows = a[:, i : i + step, 0].transpose(0, 1)  # [B, V, O, P]
+            rows = rows.reshape(rows.shape[0], v * o, p)  # one copy of the block's rows
+            block = torch.bmm(rows, b[i : i + step, 0].transpose(1, 2))
+            total += block.square_().reshape(-1, o, k).sum(0)
         return total.unsqueeze(0)
     return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
 
@@ -197,6 +197,7 @@ class RuleContext:
             memory budget: unfolded patches are made one sample at a time per chunk).
         shared: The layer's parameters take the per-sample products' path.
         output: The layer produces the model output.
+        node: The autograd node that produced the layer's output.
     """
 
     module: nn.Module
@@ -208,6 +209,7 @@ class RuleContext:
     lean: bool = False
     shared: bool = False
     output: bool = False
+    node: Any = None
 
     @property
     def x(self) -> Tensor:
@@ -226,6 +228,8 @@ class LayerRule(ABC):
     classes: tuple[type[nn.Module], ...] = ()
     param_names: tuple[str, ...] = ("weight", "bias")
     description: str = ""
+    param_free = False
+    """Layers without parameters, ruled only to map vectors back faster than autograd."""
 
     def record(self, ctx: RuleContext) -> None:  # noqa: B027 - optional hook
         """Store what the rule needs beyond the input (called at forward time).
@@ -811,6 +815,33 @@ class _NormRule(LayerRule):
     def fixed_bytes(self, ctx, element):
         return math.prod(ctx.out_shape) * element
 
+    def _normalized(self, ctx: RuleContext) -> tuple[Tensor, Tensor]:
+        """``x_hat`` ``[N, M, D]`` and ``1/std`` ``[N, M, 1]``: ``M`` normalized sets."""
+        raise NotImplementedError
+
+    def _backprop_normalized(
+        self, ctx: RuleContext, grads: Tensor, weight_shape: tuple[int, ...]
+    ) -> Tensor:
+        """``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` per normalized set.
+
+        ``g`` is the vector times the affine weight; means over each set's elements.
+        Broadcast over the columns: no per-column loop, no copy of ``x``.
+        """
+        module = ctx.module
+        v = grads.shape[0]
+        if module.weight is not None:
+            grads = grads * module.weight.detach().view(weight_shape)
+        x_hat, rstd = ctx.extra.get("normalized") or self._normalized(ctx)
+        if not ctx.lean:
+            ctx.extra["normalized"] = (x_hat, rstd)
+        g = grads.reshape(v, *x_hat.shape)
+        mean_x = (g * x_hat).mean(-1, keepdim=True)
+        dx = g - g.mean(-1, keepdim=True)
+        return dx.addcmul_(x_hat, mean_x, value=-1).mul_(rstd).reshape(grads.shape)
+
+    def column_bytes(self, ctx, element):
+        return 4 * math.prod(ctx.out_shape) * element
+
 
 class BatchNormRule(_NormRule):
     """``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics."""
@@ -857,6 +888,16 @@ class LayerNormRule(_NormRule):
         kept = len(ctx.module.normalized_shape)
         return tuple(range(2, grads.dim() - kept))
 
+    def _normalized(self, ctx):
+        module, x = ctx.module, ctx.x
+        d = math.prod(module.normalized_shape)
+        flat = x.reshape(x.shape[0], -1, d)
+        rstd = (flat.var(-1, unbiased=False, keepdim=True) + module.eps).rsqrt()
+        return (flat - flat.mean(-1, keepdim=True)) * rstd, rstd
+
+    def backprop(self, ctx, grads):
+        return self._backprop_normalized(ctx, grads, tuple(ctx.module.normalized_shape))
+
 
 class GroupNormRule(_NormRule):
     """``nn.GroupNorm``."""
@@ -870,6 +911,16 @@ class GroupNormRule(_NormRule):
 
     def _sum_axes(self, ctx, grads):
         return tuple(range(3, grads.dim()))
+
+    def _normalized(self, ctx):
+        module, x = ctx.module, ctx.x
+        flat = x.reshape(x.shape[0], module.num_groups, -1)
+        rstd = (flat.var(-1, unbiased=False, keepdim=True) + module.eps).rsqrt()
+        return (flat - flat.mean(-1, keepdim=True)) * rstd, rstd
+
+    def backprop(self, ctx, grads):
+        shape = (-1, *([1] * (grads.dim() - 3)))
+        return self._backprop_normalized(ctx, grads, shape)
 
 
 class EmbeddingRule(LayerRule):
@@ -918,6 +969,114 @@ class EmbeddingRule(LayerRule):
         return {"weight": result}
 
 
+class ActivationRule(LayerRule):
+    """Elementwise activations: their derivative, once per pass, times the vectors.
+
+    ``torch.func`` has no batching rule for most activation backward kernels (it loops
+    over the columns). The derivative ``f'(x)`` (``[N, ...]``) comes from the layer's
+    own backward kernel applied to ones, and multiplies all columns at once.
+    """
+
+    classes = (nn.ReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Hardswish,
+               nn.LeakyReLU, nn.ELU, nn.Softplus)  # fmt: skip
+    param_names = ()
+    description = "derivative once per pass, times all columns"
+    param_free = True
+
+    def per_sample(self, ctx, grads):
+        return {}
+
+    @staticmethod
+    def _derivative(module: nn.Module, x: Tensor) -> Tensor:
+        aten, ones = torch.ops.aten, torch.ones_like(x)
+        if isinstance(module, nn.ReLU):
+            return aten.threshold_backward(ones, x, 0)
+        if isinstance(module, nn.SiLU):
+            return aten.silu_backward(ones, x)
+        if isinstance(module, nn.GELU):
+            return aten.gelu_backward(ones, x, approximate=module.approximate)
+        if isinstance(module, nn.Tanh):
+            return aten.tanh_backward(ones, torch.tanh(x))
+        if isinstance(module, nn.Sigmoid):
+            return aten.sigmoid_backward(ones, torch.sigmoid(x))
+        if isinstance(module, nn.Hardswish):
+            return aten.hardswish_backward(ones, x)
+        if isinstance(module, nn.LeakyReLU):
+            return aten.leaky_relu_backward(ones, x, module.negative_slope, False)
+        if isinstance(module, nn.ELU):
+            return aten.elu_backward(ones, module.alpha, 1, 1, False, x)
+        return aten.softplus_backward(ones, x, module.beta, module.threshold)
+
+    def backprop(self, ctx, grads):
+        return grads * self._derivative(ctx.module, ctx.x)
+
+    def column_bytes(self, ctx, element):
+        return 2 * math.prod(ctx.out_shape) * element
+
+    def transient_bytes(self, ctx, element):
+        return 3 * ctx.x.numel() * element  # ones, f(x) and the derivative
+
+
+def _avg_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.avg_pool2d_backward(
+        grads, grads.new_empty(shape), node._saved_kernel_size, node._saved_stride,
+        node._saved_padding, node._saved_ceil_mode, node._saved_count_include_pad,
+        node._saved_divisor_override,
+    )  # fmt: skip
+
+
+def _nearest2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.upsample_nearest2d_backward(
+        grads, node._saved_output_size, list(shape), node._saved_scales_h,
+        node._saved_scales_w,
+    )  # fmt: skip
+
+
+def _bilinear2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.upsample_bilinear2d_backward(
+        grads, node._saved_output_size, list(shape), node._saved_align_corners,
+        node._saved_scales_h, node._saved_scales_w,
+    )  # fmt: skip
+
+
+_FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
+    "AvgPool2DBackward0": _avg_pool2d,
+    "UpsampleNearest2DBackward0": _nearest2d,
+    "UpsampleBilinear2DBackward0": _bilinear2d,
+}
+
+
+class FoldedRule(LayerRule):
+    """Pooling and upsampling: the layer's own backward kernel on ``V * N`` samples.
+
+    The kernel and its arguments are read from the autograd node the layer's forward
+    pass created (``torch.func`` would loop over the columns); layers whose node is not
+    one of these (other modes) are left to autograd.
+    """
+
+    classes = (nn.AvgPool2d, nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
+    param_names = ()
+    description = "`AvgPool2d`, nearest/bilinear 2d: backward on columns × samples"
+    param_free = True
+
+    def per_sample(self, ctx, grads):
+        return {}
+
+    def backprop(self, ctx, grads):
+        node, x = ctx.node, ctx.x
+        if node is None or len(node.next_functions) != 1:
+            return None
+        kernel = _FOLDED.get(node.name())
+        if kernel is None:
+            return None
+        v, n = grads.shape[:2]
+        folded = kernel(node, grads.reshape(v * n, *grads.shape[2:]), (v * n, *x.shape[1:]))
+        return folded.reshape(v, n, *x.shape[1:])
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + 2 * ctx.x.numel()) * element
+
+
 RULES: tuple[LayerRule, ...] = (
     LinearRule(),
     ConvRule(),
@@ -926,8 +1085,10 @@ RULES: tuple[LayerRule, ...] = (
     LayerNormRule(),
     GroupNormRule(),
     EmbeddingRule(),
+    ActivationRule(),
+    FoldedRule(),
 )
-"""Registry: one rule per kind of parameterized layer. A new layer is one new entry."""
+"""Registry: one rule per kind of layer. A new layer is one new entry."""
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
@@ -949,11 +1110,11 @@ def rule_for(module: nn.Module) -> LayerRule | None:
         return None
     forward = type(module).forward
     own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-    if not own:
-        return None
     for rule in RULES:
         for cls in rule.classes:
             if isinstance(module, cls) and forward is cls.forward:
+                if not own and not rule.param_free:
+                    return None  # a frozen layer: the recorded graph maps it back
                 if set(own) <= set(rule.param_names):
                     return rule
                 return None
@@ -972,9 +1133,10 @@ def supported_layers_table() -> str:
             rows.append(f"| `nn.{cls.__name__}` | rule `{type(rule).__name__}` | "
                         f"{rule.description} |")  # fmt: skip
     rows.append(
-        "| any layer without parameters (activations, pooling, dropout, reshapes, `cat`,"
-        " additions, attention maths, functional calls) | autograd on the recorded "
-        "graph, batched over columns | no rule needed; in-place operations are fine |"
+        "| any other layer without parameters (dropout, max pooling, reshapes, `cat`,"
+        " additions, attention maths, functional calls such as `F.silu`) | autograd on "
+        "the recorded graph, batched over columns | no rule needed; in-place operations "
+        "are fine |"
     )
     rows.append(
         "| any other parameter (RNN/LSTM/GRU, `nn.MultiheadAttention` projections, "

@@ -49,6 +49,10 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()
             result = ggnchunk.diag_ggn(model, loss_func, x, y[:, :3], distributed=True,
                                        max_memory="256MiB")  # fmt: skip
+        elif mode == "kron":  # output factors summed over the ranks, input factors not
+            factors = ggnchunk.kron_ggn(model, loss_func, x, y, distributed=True,
+                                        num_chunks=3)  # fmt: skip
+            result = {name: (f.output, f.input) for name, f in factors.items()}
         else:  # chunk-parallel: same batch everywhere, columns split over the ranks
             result = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
                                        num_chunks=2)  # fmt: skip

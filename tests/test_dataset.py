@@ -231,3 +231,23 @@ def test_batches_of_the_wrong_shape_are_refused_with_the_fix():
         TypeError, match=r"update\(\)'s batch must be an \(inputs, targets\) pair"
     ):
         acc.update(features)
+
+
+def test_a_plain_function_loss_is_a_sum_over_batches():
+    """``loss(output, target)`` functions work in the dataset API too (a sum)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 2)).double()  # fmt: skip
+    x, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+
+    def loss(output, target):
+        return ((output - target) ** 2).sum() + (output**4).sum()
+
+    class Loss(nn.Module):  # the same function, as the reference needs a module
+        def forward(self, output, target):
+            return loss(output, target)
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    actual = ggnchunk.diag_ggn_dataset(model, loss, loader, num_chunks=2, progress=False)
+    expected = reference_diag_ggn(model, Loss(), x, y)
+    assert_diag_close(actual, expected, rtol=1e-10)

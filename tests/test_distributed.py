@@ -88,3 +88,16 @@ def test_chunk_parallel_without_a_process_group():
     x, y = data()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y, distributed=True)
+
+
+@pytest.mark.slow
+def test_kron_factors_on_two_ranks_equal_one_process():
+    x, y = data()
+    expected = ggnchunk.kron_ggn(model_for(0, False), nn.MSELoss(), x, y)
+    results, errors = _run("kron")
+    assert not errors, errors[0]
+    for result in results:
+        assert list(result) == list(expected)
+        for name, (output, inputs) in result.items():
+            assert torch.allclose(output, expected[name].output, rtol=1e-5, atol=1e-8)
+            assert torch.allclose(inputs, expected[name].input, rtol=1e-5, atol=1e-8)

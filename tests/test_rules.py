@@ -49,6 +49,36 @@ LAYERS = {
     "layernorm-2d-shape": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4)),
     "layernorm-no-bias": (lambda: nn.LayerNorm(4, bias=False), (3, 4)),
     "groupnorm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3)),
+    "groupnorm-no-affine": (lambda: nn.GroupNorm(2, 4, affine=False), (4, 3, 3)),
+    "layernorm-no-affine": (lambda: nn.LayerNorm(4, elementwise_affine=False), (3, 4)),
+    # layers without parameters: only their backpropagation (to the glue in front)
+    "relu": (nn.ReLU, (3, 4)),
+    "silu": (nn.SiLU, (2, 3, 3)),
+    "gelu": (nn.GELU, (5,)),
+    "gelu-tanh": (lambda: nn.GELU(approximate="tanh"), (5,)),
+    "tanh": (nn.Tanh, (5,)),
+    "sigmoid": (nn.Sigmoid, (5,)),
+    "hardswish": (nn.Hardswish, (2, 5)),
+    "leaky-relu": (lambda: nn.LeakyReLU(0.2), (5,)),
+    "elu": (lambda: nn.ELU(alpha=0.7), (5,)),
+    "softplus": (lambda: nn.Softplus(beta=2.0, threshold=1.0), (5,)),
+    "avgpool2d": (lambda: nn.AvgPool2d(2), (2, 4, 4)),
+    "avgpool2d-ceil-no-pad-count": (
+        lambda: nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True,
+                             count_include_pad=False),
+        (2, 5, 5),
+    ),
+    "avgpool2d-divisor": (lambda: nn.AvgPool2d(2, divisor_override=3), (2, 4, 4)),
+    "upsample-nearest": (lambda: nn.Upsample(scale_factor=2), (2, 3, 3)),
+    "upsample-nearest-size": (lambda: nn.Upsample(size=(5, 4)), (2, 3, 3)),
+    "upsample-bilinear": (lambda: nn.Upsample(scale_factor=1.5, mode="bilinear"),
+                          (2, 4, 4)),
+    "upsample-bilinear-corners": (
+        lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), (2, 3, 3)
+    ),
+    "upsampling-nearest2d": (lambda: nn.UpsamplingNearest2d(scale_factor=2), (2, 3, 3)),
+    "upsample-bicubic-autograd": (lambda: nn.Upsample(scale_factor=2, mode="bicubic"),
+                                  (2, 3, 3)),
 }  # fmt: skip
 
 
@@ -129,3 +159,29 @@ def test_square_sum_forms_agree_with_a_plain_einsum(v, n, g, o, k, p):
 
 def test_both_contraction_forms_are_chosen_somewhere():
     assert _use_gram(100, 2, 1, 8, 9, 3) and not _use_gram(1, 2, 1, 8, 9, 40)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["avgpool2d", "avgpool2d-ceil-no-pad-count", "upsample-nearest", "upsample-bilinear",
+     "upsample-nearest-size", "upsampling-nearest2d", "upsample-bicubic-autograd"],
+)  # fmt: skip
+def test_pooling_and_upsampling_use_their_kernel_or_say_autograd(monkeypatch, name):
+    """The folded kernel runs where it exists (no per-column loop); bicubic: autograd."""
+    from ggnchunk._rules import FoldedRule
+
+    results, backprop = [], FoldedRule.backprop
+
+    def spy(self, ctx, grads):
+        out = backprop(self, ctx, grads)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FoldedRule, "backprop", spy)
+    build, shape = LAYERS[name]
+    model = _Front(build().double(), shape, shared=False).double()
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        y = torch.randn_like(model(x))
+    ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
+    assert results and all(results) == ("bicubic" not in name)
