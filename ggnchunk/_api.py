@@ -155,7 +155,7 @@ def _choose_lean(
     settled = getattr(tracker, "settled", tracker.current)
     level = max(0, settled() - baseline)
     run.set_lean(True)
-    lean = (run.fixed_bytes(), cost[1])
+    lean = (run.fixed_bytes(), run.column_bytes())  # the Gram form is chosen by memory
     if 2 * passes_within(budget, device, level, *lean, total) <= passes_within(
         budget, device, level, *cost, total
     ):

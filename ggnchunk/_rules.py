@@ -91,7 +91,9 @@ def square_sum(
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
     if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most _BLOCK elements
-        step = 1 if lean else max(1, _BLOCK // max(v * o * k, 1))
+        # of copied rows and products together (cache-sized: one sample at a time for
+        # large ones, many small products in one call)
+        step = 1 if lean else max(1, _BLOCK // max(v * o * (p + k), 1))
         total = a.new_zeros(o, k)
         for i in range(0, n, step):
             rows = a[:, i : i + step, 0].transpose(0, 1)  # [B, V, O, P]
@@ -866,6 +868,9 @@ class BatchNormRule(_NormRule):
 
     sample_free_backprop = True
 
+    def column_bytes(self, ctx, element):
+        return 2 * math.prod(ctx.out_shape) * element  # one product, one scaled copy
+
     def backprop(self, ctx, grads):
         module = ctx.module
         scale = (ctx.extra["var"].to(grads.dtype) + module.eps).rsqrt()
@@ -1039,7 +1044,19 @@ def _bilinear2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
     )  # fmt: skip
 
 
+def _max_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    # each output takes its input's value: scatter the vectors to the recorded argmax
+    indices = node._saved_result1  # [N, C, h, w] into the flattened H*W of each plane
+    n = indices.shape[0]
+    v = grads.shape[0] // n
+    flat = grads.reshape(v, n, shape[1], -1)
+    result = grads.new_zeros(v, n, shape[1], math.prod(shape[2:]))
+    index = indices.reshape(1, n, shape[1], -1).expand(v, -1, -1, -1)
+    return result.scatter_add_(3, index, flat).reshape(shape)
+
+
 _FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
+    "MaxPool2DWithIndicesBackward0": _max_pool2d,
     "AvgPool2DBackward0": _avg_pool2d,
     "UpsampleNearest2DBackward0": _nearest2d,
     "UpsampleBilinear2DBackward0": _bilinear2d,
@@ -1054,9 +1071,10 @@ class FoldedRule(LayerRule):
     one of these (other modes) are left to autograd.
     """
 
-    classes = (nn.AvgPool2d, nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
+    classes = (nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.UpsamplingNearest2d,
+               nn.UpsamplingBilinear2d)  # fmt: skip
     param_names = ()
-    description = "`AvgPool2d`, nearest/bilinear 2d: backward on columns × samples"
+    description = "2d max/average pooling, nearest/bilinear 2d: all columns at once"
     param_free = True
 
     def per_sample(self, ctx, grads):
@@ -1064,8 +1082,8 @@ class FoldedRule(LayerRule):
 
     def backprop(self, ctx, grads):
         node, x = ctx.node, ctx.x
-        if node is None or len(node.next_functions) != 1:
-            return None
+        if node is None or len(node.next_functions) != 1 or x.dim() != 4:
+            return None  # the kernels below take batched 2d inputs [N, C, H, W]
         kernel = _FOLDED.get(node.name())
         if kernel is None:
             return None

@@ -1,4 +1,4 @@
-"""laplace-torch's own diag checks, rewritten against ``ChunkedGGN`` (fast, offline).
+"""laplace-torch's own diag and kron checks, rewritten for ``ChunkedGGN`` (fast, offline).
 
 ``tools/laplace_suite.py`` runs laplace-torch's whole test suite with ``ChunkedGGN`` from a
 clone of its repository; CI has neither network nor the clone, so the checks that matter
@@ -7,7 +7,12 @@ laplace-torch's ``BackPackGGN(stochastic=False)`` gives (curvature, loss, margin
 likelihood, posterior), for all weights, the last layer and a subnetwork, for 1-, 2- and
 3-output regression and binary and 3-class classification (2 and 3 columns used to
 crash the budget mode), with no options, a memory budget and ``num_chunks=2`` (more
-chunks than the 1-output regression's one column: clamped).
+chunks than the 1-output regression's one column: clamped). Every
+``hessian_structure="kron"`` fit must give BackPACK's KFLR factors (``H_facs.kfacs``),
+loss and marginal likelihood for the same problems (all weights and the last layer,
+refits with ``override=False`` for all weights), and the backend's ``kron`` must pass
+laplace-torch's backend-level kron checks (one sample: the exact diagonal; split
+batches; the ``N`` normalization).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 laplace = pytest.importorskip("laplace")
-from laplace import DiagSubnetLaplace, Laplace  # noqa: E402
+from laplace import DiagSubnetLaplace, KronLaplace, KronLLLaplace, Laplace  # noqa: E402
 from laplace.curvature import BackPackGGN, CurvlinopsGGN, GGNInterface  # noqa: E402
 from laplace.utils import LargestMagnitudeSubnetMask  # noqa: E402
 
@@ -147,3 +152,84 @@ def test_reward_modeling_pairs_equal_laplaces_default_backend():
     ours = _fit(model, "reward_modeling", loader, ChunkedGGN, num_chunks=2)
     theirs = _fit(model, "reward_modeling", loader, CurvlinopsGGN)
     _assert_same_posterior(ours, theirs, "reward modeling")
+
+
+def _fit_kron(model, likelihood, loader, backend, subset="all", **kwargs):
+    la = Laplace(copy.deepcopy(model), likelihood, subset_of_weights=subset,
+                 hessian_structure="kron", backend=backend, backend_kwargs=kwargs,
+                 prior_precision=0.7)  # fmt: skip
+    assert isinstance(la, KronLLLaplace if subset == "last_layer" else KronLaplace)
+    with warnings.catch_warnings():  # the built-in BackPACK backend's hook warning
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        la.fit(loader)
+        if subset == "all":  # last-layer Laplace refuses override=False
+            la.fit(loader, override=False)  # laplace-torch rescales the input factors
+    return la
+
+
+def _assert_same_kron(ours, theirs, label: str) -> None:
+    assert len(ours.H_facs.kfacs) == len(theirs.H_facs.kfacs), label
+    for i, (mine, other) in enumerate(
+        zip(ours.H_facs.kfacs, theirs.H_facs.kfacs, strict=True)
+    ):
+        assert len(mine) == len(other), f"{label}: factor {i}"
+        for a, b in zip(mine, other, strict=True):
+            assert a.shape == b.shape, f"{label}: factor {i}"
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), f"{label}: factor {i}"
+    assert torch.allclose(ours.loss, theirs.loss, rtol=1e-10), f"{label}: loss"
+    assert torch.allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood(),
+                          rtol=1e-10), f"{label}: marginal likelihood"  # fmt: skip
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize(("likelihood", "outputs"), PROBLEMS)
+def test_kron_fit_equals_backpack(likelihood, outputs, subset):
+    """Kron(LL)Laplace fits (test_baselaplace, test_lllaplace): BackPACK's factors."""
+    model, loader = _problem(likelihood, outputs)
+    theirs = _fit_kron(model, likelihood, loader, BackPackGGN, subset)
+    for options in OPTIONS:
+        ours = _fit_kron(model, likelihood, loader, ChunkedGGN, subset, **options)
+        _assert_same_kron(ours, theirs, f"{likelihood}/{outputs}/{subset} {options}")
+    x = next(iter(loader))[0]
+    if likelihood == "regression":
+        mean, var = ours(x, pred_type="glm")
+        assert mean.shape == (3, outputs) and var.shape == (3, outputs, outputs)
+    else:
+        probs = ours(x, pred_type="glm", link_approx="probit")
+        assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=DTYPE))
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize(
+    ("likelihood", "outputs"), [("regression", 2), ("classification", 2)]
+)
+def test_kron_backend_checks(likelihood, outputs, options):
+    """test_curv_backends_backpack's kron checks with ChunkedGGN as the backend."""
+    model, loader = _problem(likelihood, outputs)
+    x, y = loader.dataset.tensors
+    backend = ChunkedGGN(model, likelihood, **options)
+    n = len(x)
+    # one sample: Kron is exact, its diagonal is the GGN diagonal
+    _, diag = backend.diag(x[:1], y[:1], N=1)
+    _, kron = backend.kron(x[:1], y[:1], N=1)
+    assert torch.allclose(kron.diag(), diag, rtol=1e-10, atol=1e-12)
+    # batching correction: two halves with the whole N add up to the whole batch
+    loss, kron = backend.kron(x, y, N=n)
+    assert len(kron.diag()) == sum(p.numel() for p in model.parameters())
+    loss1, kron1 = backend.kron(x[: n // 2], y[: n // 2], N=n)
+    loss2, kron2 = backend.kron(x[n // 2 :], y[n // 2 :], N=n)
+    assert torch.allclose(kron.diag(), (kron1 + kron2).diag(), rtol=1e-10)
+    assert torch.allclose(loss, loss1 + loss2, rtol=1e-12)
+    # normalization: one sample seven times with N=7 is seven times the sample with N=1
+    loss1, kron1 = backend.kron(x[:1], y[:1], N=1)
+    loss7, kron7 = backend.kron(x[:1].repeat(7, 1), y[:1].repeat_interleave(7, 0), N=7)
+    assert torch.allclose((7 * kron1).diag(), kron7.diag(), rtol=1e-10)
+    assert torch.allclose(7 * loss1, loss7, rtol=1e-12)
+    # and BackPACK's factors for the whole batch
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss_bp, kron_bp = BackPackGGN(copy.deepcopy(model), likelihood).kron(x, y, N=n)
+    for mine, other in zip(kron.kfacs, kron_bp.kfacs, strict=True):
+        for a, b in zip(mine, other, strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(loss, loss_bp, rtol=1e-12)

@@ -69,6 +69,12 @@ LAYERS = {
         (2, 5, 5),
     ),
     "avgpool2d-divisor": (lambda: nn.AvgPool2d(2, divisor_override=3), (2, 4, 4)),
+    "maxpool2d": (lambda: nn.MaxPool2d(2), (2, 4, 4)),
+    "maxpool2d-overlap-pad-dilation": (
+        lambda: nn.MaxPool2d(3, stride=2, padding=1, dilation=1, ceil_mode=True),
+        (2, 5, 5),
+    ),
+    "maxpool2d-dilated": (lambda: nn.MaxPool2d(2, stride=1, dilation=2), (2, 5, 5)),
     "upsample-nearest": (lambda: nn.Upsample(scale_factor=2), (2, 3, 3)),
     "upsample-nearest-size": (lambda: nn.Upsample(size=(5, 4)), (2, 3, 3)),
     "upsample-bilinear": (lambda: nn.Upsample(scale_factor=1.5, mode="bilinear"),
@@ -164,6 +170,7 @@ def test_both_contraction_forms_are_chosen_somewhere():
 @pytest.mark.parametrize(
     "name",
     ["avgpool2d", "avgpool2d-ceil-no-pad-count", "upsample-nearest", "upsample-bilinear",
+     "maxpool2d", "maxpool2d-overlap-pad-dilation",
      "upsample-nearest-size", "upsampling-nearest2d", "upsample-bicubic-autograd"],
 )  # fmt: skip
 def test_pooling_and_upsampling_use_their_kernel_or_say_autograd(monkeypatch, name):
