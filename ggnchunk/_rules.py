@@ -632,10 +632,11 @@ class ConvRule(LayerRule):
         return _gram_of_sums(grads, 2)
 
     def input_factor(self, ctx):
-        patches = self._patches(ctx)[:, 0]  # [N, K, P]: groups == 1
-        result = patches.new_zeros(patches.shape[1], patches.shape[1])
-        for sample in patches:  # one [K, P] at a time: no second copy of the patches
-            result.addmm_(sample, sample.T)
+        k = ctx.module.weight[0].numel()
+        result = ctx.x.new_zeros(k, k)
+        for i in range(ctx.x.shape[0]):  # one sample's patches [K, P] at a time
+            patches = self._patches(ctx, i)[0, 0]  # groups == 1
+            result.addmm_(patches, patches.T)
         return result
 
     def backprop(self, ctx, grads):
