@@ -1,4 +1,4 @@
-"""Run laplace-torch's own test suite with ggnchunk's ``ChunkedGGN`` as the diag backend.
+"""Run laplace-torch's own test suite with ggnchunk's ``ChunkedGGN`` as the GGN backend.
 
 laplace-torch's tests live in its repository, not in the wheel, so this script needs a
 copy of the repository (``git clone https://github.com/aleximmer/Laplace``; a bare
@@ -9,33 +9,52 @@ What it does:
 
 1. Exports ``tests/`` at ``--rev`` (default: the tag of the installed laplace-torch
    version if the repository has it, else ``HEAD``) into a temporary directory.
-2. Adds a ``conftest.py`` that substitutes the curvature backend: every diag-structured
-   Laplace (``DiagLaplace``, ``DiagLLLaplace``, ``DiagSubnetLaplace``) built with a GGN
-   backend (the default ``CurvlinopsGGN``, ``AsdlGGN``, ``BackPackGGN``, …; EF and
-   Hessian backends and ``stochastic=True`` are left alone) gets the backend under test,
-   and in the backend-level test modules (``test_curv_backends_*.py``) the name
-   ``BackPackGGN`` (``stochastic=False``) is the backend under test. The substitute's
-   ``kron`` is its own (``ChunkedGGN`` raises); its ``full`` is laplace-torch's
-   ``torch.func`` ``GGNInterface.full`` for ``ChunkedGGN`` (the backend-level tests
-   compare ``diag`` with the diagonal of ``full``).
+2. Adds a ``conftest.py`` that substitutes the curvature backend for the Hessian
+   structures under test (``--structure``): every diag-structured Laplace
+   (``DiagLaplace``, ``DiagLLLaplace``, ``DiagSubnetLaplace``) for ``diag``, every
+   Kronecker-structured one (``KronLaplace``, ``KronLLLaplace``: laplace-torch's only
+   classes whose ``fit`` calls a backend's ``kron``; ``Laplace(...,
+   hessian_structure="kron")`` and the marginal-likelihood training build them) for
+   ``kron``, built with a GGN backend (the default ``CurvlinopsGGN``, ``AsdlGGN``,
+   ``BackPackGGN``, ``AsdfghjklGGN``, …; EF and Hessian backends and
+   ``stochastic=True`` are left alone) gets the backend under test. In the
+   backend-level test modules (``test_curv_backends_*.py`` and ``test_matrix.py``) the
+   name ``BackPackGGN`` (``stochastic=False``) is the backend under test, for its
+   ``diag`` and its ``kron`` (these modules' tests compare them with the diagonal of
+   ``full``, with each other and with the other backends' ``kron``). The substitute's
+   ``full`` is laplace-torch's ``torch.func`` ``GGNInterface.full`` for ``ChunkedGGN``,
+   which has no ``full`` of its own.
 3. Runs pytest three times: with ``BackPackGGN`` (``stochastic=False``), with
-   ``ChunkedGGN`` and with ``ChunkedGGN(max_memory=--budget)``.
-4. Only the files in ``FILES`` run (``--files`` to change), without the tests in
-   ``DESELECT`` (non-diag tests; ``--everything`` keeps them).
-   A test counts as a *diag test* when, in some run, a substitution happened in it (a
-   diag Laplace was built with the substitute, or the substitute's ``diag`` was
-   called) and the substitute's ``kron`` was never called. It prints, for each backend,
-   how many diag tests pass, and every diag test that passes with ``BackPackGGN`` but
-   fails with ``ChunkedGGN``, with its error (apart from ``EXPECTED``: tests that assert
-   a limitation of the BackPACK backend).
+   ``ChunkedGGN`` and with ``ChunkedGGN(max_memory=--budget)``, in parallel (each with
+   a third of the cores as ``OMP_NUM_THREADS`` unless the environment sets it) or,
+   with ``--serial``, one after the other.
+4. Only the files in ``FILES`` of the structures under test run (``--files`` to
+   change), without the tests that ``_deselect`` names (the full and low-rank
+   structures' and the other structures' parametrizations; ``--everything`` keeps
+   them).
+   A test counts as a *kron test* when, in some run, a Kronecker-structured Laplace
+   was built with the substitute or the substitute's ``kron`` was called, and as a
+   *diag test* when a diag Laplace was built with the substitute or its ``diag`` was
+   called, and its ``kron`` never. It prints, for each structure and backend, how many
+   of these tests pass, every test that passes with ``BackPackGGN`` but fails with a
+   ``ChunkedGGN`` run, with its error (apart from ``EXPECTED``: tests that assert a
+   limitation of the BackPACK backend), every test that fails with ``BackPackGGN``
+   and passes with ``ChunkedGGN``, with BackPACK's error, and every test that fails in
+   all three runs, with the errors of BackPACK and ``ChunkedGGN``.
+
+``--structure`` is ``diag`` (the default, the suite as before kron existed),
+``kron`` or ``both`` (one set of three pytest runs that substitutes both and reports
+each structure's tests).
 
 Usage::
 
     python -m tools.laplace_suite --repo /path/to/Laplace[.git] [--budget 256MiB]
-        [--files test_baselaplace.py ...] [--keep DIR] [--json OUT.json]
+        [--structure diag|kron|both] [--files test_baselaplace.py ...] [--keep DIR]
+        [--json OUT.json]
 
-Exit status 0 when every diag test that passes with ``BackPackGGN`` passes with both
-``ChunkedGGN`` runs, 1 otherwise, 2 when the repository is missing.
+Exit status 0 when every test of the structures under test that passes with
+``BackPackGGN`` passes with both ``ChunkedGGN`` runs (apart from ``EXPECTED``), 1
+otherwise, 2 when the repository is missing.
 """
 
 from __future__ import annotations
@@ -56,31 +75,75 @@ DEFAULT_REPOS = (
     Path(__file__).resolve().parents[1] / "third_party" / "Laplace",
 )
 RUNS = ("backpack", "chunked", "budget")
-# the files where a diag GGN backend is used (the rest test kron, functional Laplace,
-# matrices and utilities only)
-FILES = (
-    "test_baselaplace.py",
-    "test_lllaplace.py",
-    "test_subnetlaplace.py",
-    "test_laplace.py",
-    "test_serialization.py",
-    "test_subset_params.py",
-    "test_curv_backends_backpack.py",
-    "test_curv_backends_interface.py",
-    "test_curv_backends_asdl.py",
-    "test_curv_backends_curvlinops.py",
+STRUCTURES = ("diag", "kron")
+# the files where a GGN backend of the structure is used (the rest test full and
+# functional Laplace, matrices and utilities only)
+FILES = {
+    "diag": (
+        "test_baselaplace.py",
+        "test_lllaplace.py",
+        "test_subnetlaplace.py",
+        "test_laplace.py",
+        "test_serialization.py",
+        "test_subset_params.py",
+        "test_curv_backends_backpack.py",
+        "test_curv_backends_interface.py",
+        "test_curv_backends_asdl.py",
+        "test_curv_backends_curvlinops.py",
+    ),
+    "kron": (
+        "test_baselaplace.py",
+        "test_lllaplace.py",
+        "test_laplace.py",
+        "test_serialization.py",
+        "test_subset_params.py",
+        "test_curv_backends_backpack.py",
+        "test_curv_backends_asdl.py",
+        "test_curv_backends_curvlinops.py",
+        "test_curv_backends_asdfghjkl.py",
+        "test_matrix.py",
+    ),
+}
+# the Laplace classes of each structure, as they appear in test ids
+CLASSES = {
+    "diag": ("DiagLaplace", "DiagLLLaplace", "DiagSubnetLaplace"),
+    "kron": ("KronLaplace", "KronLLLaplace"),
+}
+# tests deselected unless --everything: the parametrizations of the full and low-rank
+# structures and of the structures not under test, and the backend-interface tests that
+# draw 10,000 Monte-Carlo samples to compare stochastic GGNs with a full one (most of
+# the time)
+ALWAYS_DESELECTED = (
+    "FullLaplace",
+    "LowRankLaplace",
+    "FullLLLaplace",
+    "FullSubnetLaplace",
+    "(stoch and curvlinops_against_backpack_full)",
 )
-# tests that build no diag Laplace and call no diag (deselected unless --everything):
-# the full, kron and low-rank parametrizations, and the backend-interface tests that draw
-# 10,000 Monte-Carlo samples to compare stochastic GGNs with a full one (most of the time)
-DESELECT = (
-    "FullLaplace or KronLaplace or LowRankLaplace or FullLLLaplace or KronLLLaplace "
-    "or FullSubnetLaplace or (stoch and curvlinops_against_backpack_full)"
-)
-# diag tests whose assertion is a limitation of the BackPACK backend, not a result:
+
+
+def _deselect(structures: tuple[str, ...]) -> str:
+    """The ``-k`` expression of the tests deselected for ``structures``.
+
+    Args:
+        structures: The structures under test.
+
+    Returns:
+        The expression (``"a or b or ..."``).
+    """
+    other = [name for s in STRUCTURES if s not in structures for name in CLASSES[s]]
+    return " or ".join([*ALWAYS_DESELECTED[:-1], *other, ALWAYS_DESELECTED[-1]])
+
+
+# tests whose assertion is a limitation of the BackPACK backend, not a result:
 # (test name prefix, id suffix) -> why
 EXPECTED = {
     ("test_dict_data[", "-BackPackGGN-DiagLaplace]"): (
+        "asserts that fit refuses dict batches for a backend named BackPack*; ChunkedGGN "
+        "takes them, and the test's AsdlGGN and CurvlinopsGGN parametrizations (both "
+        "ChunkedGGN here) check its fit and predictions on dict batches"
+    ),
+    ("test_dict_data[", "-BackPackGGN-KronLaplace]"): (
         "asserts that fit refuses dict batches for a backend named BackPack*; ChunkedGGN "
         "takes them, and the test's AsdlGGN and CurvlinopsGGN parametrizations (both "
         "ChunkedGGN here) check its fit and predictions on dict batches"
@@ -97,7 +160,7 @@ LABELS = {
 }
 
 CONFTEST = '''
-"""Written by ggnchunk's tools/laplace_suite.py: substitutes the diag GGN backend."""
+"""Written by ggnchunk's tools/laplace_suite.py: substitutes the GGN backend."""
 
 import inspect
 import json
@@ -112,6 +175,7 @@ from ggnchunk.laplace import ChunkedGGN
 
 _MODE = os.environ["GGNCHUNK_SUITE_MODE"]
 _BUDGET = os.environ.get("GGNCHUNK_SUITE_BUDGET", "256MiB")
+_STRUCTURES = os.environ.get("GGNCHUNK_SUITE_STRUCTURES", "diag").split(",")
 _RECORD = os.environ["GGNCHUNK_SUITE_RECORD"]
 _flags: set = set()
 _records: dict = {}
@@ -170,13 +234,18 @@ def _init(self, *args, **kwargs):
     bound = _signature.bind(self, *args, **kwargs)
     backend = bound.arguments.get("backend")
     backend_kwargs = bound.arguments.get("backend_kwargs") or {}
+    structure = None
+    if isinstance(self, _baselaplace.DiagLaplace):
+        structure = "diag"
+    elif isinstance(self, _baselaplace.KronLaplace):
+        structure = "kron"
     if (
-        isinstance(self, _baselaplace.DiagLaplace)
+        structure in _STRUCTURES
         and (backend is None or issubclass(backend, GGNInterface))
         and not backend_kwargs.get("stochastic", False)
     ):
         bound.arguments["backend"] = Substitute
-        _flags.add("laplace")
+        _flags.add("laplace-" + structure)
     return _original_init(*bound.args, **bound.kwargs)
 
 
@@ -185,7 +254,8 @@ _baselaplace.BaseLaplace.__init__ = _init
 
 def pytest_collection_modifyitems(items):
     for module in {item.module for item in items if item.module is not None}:
-        if module.__name__.rsplit(".", 1)[-1].startswith("test_curv_backends"):
+        name = module.__name__.rsplit(".", 1)[-1]
+        if name.startswith("test_curv_backends") or name == "test_matrix":
             if getattr(module, "BackPackGGN", None) is BackPackGGN:
                 module.BackPackGGN = Substitute
 
@@ -281,17 +351,41 @@ def _export(git_dir: Path, rev: str, target: Path) -> None:
 
 
 def _run(
-    target: Path, mode: str, files: list[str], budget: str, everything: bool
+    target: Path,
+    mode: str,
+    files: list[str],
+    budget: str,
+    structures: tuple[str, ...],
+    everything: bool,
+    threads: int | None = None,
 ) -> subprocess.Popen:
+    """Start one pytest run.
+
+    Args:
+        target: The export (``tests/`` and the conftest).
+        mode: ``"backpack"``, ``"chunked"`` or ``"budget"``.
+        files: The test files to run.
+        budget: ``max_memory`` of the ``"budget"`` run.
+        structures: The Hessian structures whose Laplace objects get the substitute.
+        everything: Deselect nothing.
+        threads: ``OMP_NUM_THREADS`` for torch where the environment sets none
+            (``None``: torch's default).
+
+    Returns:
+        The pytest process; it writes ``record-{mode}.json`` and ``log-{mode}.txt``.
+    """
     env = dict(os.environ)
     env.update(
         GGNCHUNK_SUITE_MODE=mode,
         GGNCHUNK_SUITE_BUDGET=budget,
+        GGNCHUNK_SUITE_STRUCTURES=",".join(structures),
         GGNCHUNK_SUITE_RECORD=str(target / f"record-{mode}.json"),
         PYTHONPATH=os.pathsep.join([str(target), env.get("PYTHONPATH", "")]),
     )
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     paths = [str(target / "tests" / f) for f in files if (target / "tests" / f).exists()]
-    select = [] if everything else ["-k", f"not ({DESELECT})"]
+    select = [] if everything else ["-k", f"not ({_deselect(structures)})"]
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-rN", *select, *paths],
         cwd=target,
@@ -314,16 +408,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", help="laplace-torch's repository (work tree or bare)")
     parser.add_argument("--rev", help="revision of the tests (default: see above)")
     parser.add_argument("--budget", default="256MiB", help="max_memory of the third run")
-    parser.add_argument("--files", nargs="*", default=list(FILES), help="test files")
+    parser.add_argument(
+        "--structure",
+        choices=("diag", "kron", "both"),
+        default="diag",
+        help="Hessian structure(s) whose Laplace objects get ChunkedGGN (default: diag)",
+    )
+    parser.add_argument(
+        "--files", nargs="*", help="test files (default: FILES of the structures)"
+    )
     parser.add_argument(
         "--everything",
         action="store_true",
-        help="also run the deselected non-diag tests (DESELECT)",
+        help="also run the deselected tests (other structures' parametrizations)",
     )
     parser.add_argument("--keep", help="export into this directory and keep it")
     parser.add_argument("--json", help="write the per-test records here")
     parser.add_argument("--serial", action="store_true", help="one run at a time")
     args = parser.parse_args(argv)
+    structures = STRUCTURES if args.structure == "both" else (args.structure,)
+    if args.files is None:
+        args.files = list(dict.fromkeys(f for s in structures for f in FILES[s]))
 
     git_dir = _find_repo(args.repo)
     rev = _pick_revision(git_dir, args.rev)
@@ -336,8 +441,19 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         records = {}
         processes = {}
+        # parallel runs share the cores: torch's default (one thread per core in each
+        # run) oversubscribes them, which made the runs several times slower
+        threads = None if args.serial else max(1, (os.cpu_count() or 1) // len(RUNS))
         for mode in RUNS:
-            processes[mode] = _run(target, mode, args.files, args.budget, args.everything)
+            processes[mode] = _run(
+                target,
+                mode,
+                args.files,
+                args.budget,
+                structures,
+                args.everything,
+                threads,
+            )
             if args.serial:
                 processes[mode].wait()
         for mode, process in processes.items():
@@ -348,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"pytest run {mode!r} wrote no record")
             records[mode] = json.loads(path.read_text())
         elapsed = time.perf_counter() - start
-        return _report(records, args, elapsed)
+        return _report(records, args, structures, elapsed)
 
 
 def _expected(nodeid: str) -> str | None:
@@ -360,49 +476,102 @@ def _expected(nodeid: str) -> str | None:
     return None
 
 
-def _report(records: dict[str, dict], args: argparse.Namespace, elapsed: float) -> int:
-    """Print the counts and the regressions; return the exit status."""
-    nodeids = sorted(set().union(*records.values()))
+def _tests(records: dict[str, dict], structure: str) -> list[str]:
+    """The tests of ``structure`` (see the module docstring), sorted.
 
-    def flags(nodeid: str) -> set[str]:
-        found: set[str] = set()
+    Args:
+        records: Per run, the per-test records (``flags``, ``outcome``, ``error``).
+        structure: ``"diag"`` or ``"kron"``.
+
+    Returns:
+        Their node ids.
+    """
+    chosen = []
+    for nodeid in sorted(set().union(*records.values())):
+        flags: set[str] = set()
         for mode in RUNS:
-            found |= set(records[mode].get(nodeid, {}).get("flags", []))
-        return found
+            flags |= set(records[mode].get(nodeid, {}).get("flags", []))
+        if structure == "kron":
+            ours = bool(flags & {"laplace-kron", "kron"})
+        else:
+            ours = bool(flags & {"laplace-diag", "diag"}) and "kron" not in flags
+        if ours:
+            chosen.append(nodeid)
+    return chosen
 
-    diag = [n for n in nodeids if flags(n) & {"laplace", "diag"} and "kron" not in flags(n)]
+
+def _report(
+    records: dict[str, dict],
+    args: argparse.Namespace,
+    structures: tuple[str, ...],
+    elapsed: float,
+) -> int:
+    """Print the counts and the differences; return the exit status.
+
+    Args:
+        records: Per run, the per-test records.
+        args: The command-line arguments.
+        structures: The structures under test.
+        elapsed: Seconds the runs took.
+
+    Returns:
+        The exit status (see the module docstring).
+    """
+    collected = len(set().union(*records.values()))
+    tests = {structure: _tests(records, structure) for structure in structures}
+    counts = ", ".join(f"{len(tests[s])} {s} tests" for s in structures)
+    print(f"{collected} tests collected, {counts} ({elapsed:.0f} s)")
 
     def passed(mode: str, nodeid: str) -> bool:
         return records[mode].get(nodeid, {}).get("outcome") == "passed"
 
-    print(f"{len(nodeids)} tests collected, {len(diag)} diag tests ({elapsed:.0f} s)")
-    for mode in RUNS:
-        count = sum(passed(mode, n) for n in diag)
-        label = LABELS[mode].format(budget=args.budget)
-        print(f"  {label:32s} {count:4d} / {len(diag)} pass")
+    def error(mode: str, nodeid: str) -> str:
+        record = records[mode].get(nodeid, {})
+        return record.get("error", record.get("outcome", "not run"))
+
     status = 0
-    for mode in ("chunked", "budget"):
-        lost = [n for n in diag if passed("backpack", n) and not passed(mode, n)]
-        expected = [n for n in lost if _expected(n)]
-        lost = [n for n in lost if not _expected(n)]
-        label = LABELS[mode].format(budget=args.budget)
-        if expected:
-            print(
-                f"\npass with BackPackGGN, fail with {label} as expected (the test asserts "
-                f"a limitation of the BackPACK backend): {len(expected)}"
-            )
-            for nodeid in expected:
-                print(f"  {nodeid}\n    {textwrap.shorten(_expected(nodeid), 200)}")
-        if lost:
-            status = 1
-            print(f"\npass with BackPackGGN, fail with {label}: {len(lost)}")
-            for nodeid in lost:
-                error = records[mode].get(nodeid, {}).get("error", "?")
-                print(f"  {nodeid}\n    {textwrap.shorten(error, 200)}")
-    gained = [n for n in diag if not passed("backpack", n) and passed("chunked", n)]
-    print(f"\nfail with BackPackGGN, pass with ChunkedGGN(): {len(gained)}")
+    for structure in structures:
+        chosen = tests[structure]
+        print(f"\n{structure} tests:")
+        for mode in RUNS:
+            count = sum(passed(mode, n) for n in chosen)
+            label = LABELS[mode].format(budget=args.budget)
+            print(f"  {label:32s} {count:4d} / {len(chosen)} pass")
+        for mode in ("chunked", "budget"):
+            lost = [n for n in chosen if passed("backpack", n) and not passed(mode, n)]
+            expected = [n for n in lost if _expected(n)]
+            lost = [n for n in lost if not _expected(n)]
+            label = LABELS[mode].format(budget=args.budget)
+            if expected:
+                print(
+                    f"\n{structure}: pass with BackPackGGN, fail with {label} as expected "
+                    f"(the test asserts a limitation of the BackPACK backend): "
+                    f"{len(expected)}"
+                )
+                for nodeid in expected:
+                    print(f"  {nodeid}\n    {textwrap.shorten(_expected(nodeid), 200)}")
+            if lost:
+                status = 1
+                print(
+                    f"\n{structure}: pass with BackPackGGN, fail with {label}: {len(lost)}"
+                )
+                for nodeid in lost:
+                    print(f"  {nodeid}\n    {textwrap.shorten(error(mode, nodeid), 200)}")
+        gained = [n for n in chosen if not passed("backpack", n) and passed("chunked", n)]
+        print(
+            f"\n{structure}: fail with BackPackGGN, pass with ChunkedGGN(): {len(gained)}"
+        )
+        for nodeid in gained:
+            print(f"  {nodeid}\n    {textwrap.shorten(error('backpack', nodeid), 200)}")
+        failing = [n for n in chosen if not any(passed(mode, n) for mode in RUNS)]
+        print(f"\n{structure}: fail in all three runs: {len(failing)}")
+        for nodeid in failing:
+            print(f"  {nodeid}")
+            for mode in ("backpack", "chunked"):
+                message = textwrap.shorten(error(mode, nodeid), 200)
+                print(f"    {LABELS[mode].split('(')[0]}: {message}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"diag": diag, "records": records}, indent=1))
+        Path(args.json).write_text(json.dumps({**tests, "records": records}, indent=1))
     return status
 
 
