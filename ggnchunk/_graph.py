@@ -551,9 +551,11 @@ class Recording:
             if source.params:
                 name = names[source.params[0]]
                 raise ValueError(
-                    f"parameter {name!r} is used outside an nn.Linear or nn.Conv layer "
-                    "(e.g. by F.linear, a custom layer or a tied weight), so it has no "
-                    "Kronecker factors. Freeze it (requires_grad_(False)) or use "
+                    f"parameter {name!r} is used outside a per-sample call of an "
+                    "nn.Linear or nn.Conv layer (by F.linear, a custom layer or a tied "
+                    "weight, or by a layer whose input does not have the batch on axis "
+                    "0, e.g. after samples were reshaped into the batch axis), so it "
+                    "has no Kronecker factors. Freeze it (requires_grad_(False)) or use "
                     "ggnchunk.diag_ggn."
                 )
         for call in self.calls:
