@@ -376,13 +376,7 @@ class Recording:
                 says which parameters hold its columns already).
         """
         v, n = seed.shape[:2]
-        outs: dict[EdgeKey, Tensor] = {}
-        srcs: dict[EdgeKey, Tensor] = {}
         buffers: dict[int, Tensor] = {}
-
-        def add(store: dict, key: EdgeKey, value: Tensor) -> None:
-            old = store.get(key)
-            store[key] = value if old is None else old + value
 
         def contribute(index: int, value: Tensor) -> None:
             if index in skip:
@@ -397,16 +391,11 @@ class Recording:
             else:
                 buffers[index] = value.clone() if value.stride(1) == 0 else value
 
-        def push(key: EdgeKey, grads: Tensor) -> None:
-            source = self._sources[key]
-            if source.direct:
-                add(outs, key, grads)
-                return
+        def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
+            found: list[tuple[GradientEdge, Any]] = []
             if source.frontier:
                 results = batched_grad([source.target], source.frontier, [grads])
-                for edge, value in zip(source.frontier, results, strict=True):
-                    if value is not None:
-                        add(outs, edge_key(edge), value)
+                found = list(zip(source.frontier, results, strict=True))
             if source.params and diagonal is not None:
                 params = [self._params[i] for i in source.params]
                 masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
@@ -421,14 +410,9 @@ class Recording:
                         if i not in buffers:
                             buffers[i] = value.new_zeros(v, n, *value.shape[1:])
                         buffers[i][:, sample] += value
+            return found
 
-        push(self.output_key, seed)
-        for call in reversed(self.calls):
-            grads = outs.pop(edge_key(call.out_edge), None)
-            if grads is None:
-                continue
-            if visit is not None:
-                visit(f"the output of {_display(call.name)}", grads)
+        def layer(call: Call, grads: Tensor) -> Tensor | None:
             if factors is not None and call.params:
                 value = call.rule.output_factor(call.ctx, grads)
                 old = factors.get(call.index)
@@ -456,28 +440,18 @@ class Recording:
                     for i, pname in call.params:
                         contribute(i, values[pname])
             if call.leaf is None:
-                continue
-            back = None
+                return None
             if call.rule.sample_free_backprop and grads.stride(1) == 0:
                 # the same vectors for every sample (MSE's columns): map them once
                 back = call.rule.backprop(call.ctx, grads[:, :1])
                 if back is not None:
-                    back = back.expand(back.shape[0], n, *back.shape[2:])
-            if back is None:
-                back = call.rule.backprop(call.ctx, grads)
+                    return back.expand(back.shape[0], n, *back.shape[2:])
+            back = call.rule.backprop(call.ctx, grads)
             if back is None:
                 (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
-            del grads
-            if back is None:
-                continue
-            key = edge_key(call.source)
-            add(srcs, key, back)
-            del back
-            if self._sources[key].last_consumer == call.index:
-                pending = srcs.pop(key)
-                if visit is not None:
-                    visit(f"the input of {_display(call.name)}", pending)
-                push(key, pending)
+            return back
+
+        self._traverse(seed, layer, glue, visit)
         if diagonal is not None:
             axes = 0 if self.per_sample else (0, 1)
             for i, value in buffers.items():
@@ -493,12 +467,59 @@ class Recording:
             One gradient per parameter (``None`` where the loss does not depend on it).
         """
         grads: list[Tensor | None] = [None] * len(self._params)
-        outs: dict[EdgeKey, Tensor] = {}
-        srcs: dict[EdgeKey, Tensor] = {}
 
         def add_param(index: int, value: Tensor | None) -> None:
             if value is not None:
                 grads[index] = value if grads[index] is None else grads[index] + value
+
+        def glue(source: _Source, value: Tensor) -> list[tuple[GradientEdge, Any]]:
+            found: list[tuple[GradientEdge, Any]] = []
+            if source.frontier:
+                results = plain_grad([source.target], source.frontier, [value])
+                found = list(zip(source.frontier, results, strict=True))
+            if source.params:
+                params = [self._params[i] for i in source.params]
+                with blocked(source.frontier):
+                    results = plain_grad([source.target], params, [value])
+                for i, result in zip(source.params, results, strict=True):
+                    add_param(i, result)
+            return found
+
+        def layer(call: Call, value: Tensor) -> Tensor | None:
+            targets = [self._params[i] for i, _ in call.params]
+            if call.leaf is not None:
+                targets.append(call.leaf)
+            results = plain_grad([call.out_edge], targets, [value])
+            for (i, _), result in zip(call.params, results, strict=False):
+                add_param(i, result)
+            return results[-1] if call.leaf is not None else None
+
+        self._traverse(seed, layer, glue)
+        return grads
+
+    def _traverse(
+        self,
+        seed: Tensor,
+        layer: Callable[[Call, Tensor], Tensor | None],
+        glue: Callable[[_Source, Tensor], list[tuple[GradientEdge, Any]]],
+        visit: Callable[[str, Tensor], None] | None = None,
+    ) -> None:
+        """The traversal both sweeps share: vectors from the output back over the calls.
+
+        Vectors meeting at one place are added. ``layer(call, vectors)`` does the layer's
+        work and returns the vectors at its input (``None``: nothing passes on); once
+        every consumer of a glue region's source is done, ``glue(source, vectors)``
+        returns ``(edge, vectors)`` for the layer outputs the region reaches, so each
+        region is crossed once.
+
+        Args:
+            seed: The vectors at the model output.
+            layer: The work at a layer call.
+            glue: The work through a glue region.
+            visit: Called with ``(where, vectors)`` at every layer output and input.
+        """
+        outs: dict[EdgeKey, Tensor] = {}
+        srcs: dict[EdgeKey, Tensor] = {}
 
         def add(store: dict, key: EdgeKey, value: Tensor) -> None:
             old = store.get(key)
@@ -509,36 +530,29 @@ class Recording:
             if source.direct:
                 add(outs, key, value)
                 return
-            if source.frontier:
-                results = plain_grad([source.target], source.frontier, [value])
-                for edge, result in zip(source.frontier, results, strict=True):
-                    if result is not None:
-                        add(outs, edge_key(edge), result)
-            if source.params:
-                params = [self._params[i] for i in source.params]
-                with blocked(source.frontier):
-                    results = plain_grad([source.target], params, [value])
-                for i, result in zip(source.params, results, strict=True):
-                    add_param(i, result)
+            for edge, result in glue(source, value):
+                if result is not None:
+                    add(outs, edge_key(edge), result)
 
         push(self.output_key, seed)
         for call in reversed(self.calls):
             value = outs.pop(edge_key(call.out_edge), None)
             if value is None:
                 continue
-            targets = [self._params[i] for i, _ in call.params]
-            if call.leaf is not None:
-                targets.append(call.leaf)
-            results = plain_grad([call.out_edge], targets, [value])
-            for (i, _), result in zip(call.params, results, strict=False):
-                add_param(i, result)
-            if call.leaf is None or results[-1] is None:
+            if visit is not None:
+                visit(f"the output of {_display(call.name)}", value)
+            back = layer(call, value)
+            del value
+            if back is None:
                 continue
             key = edge_key(call.source)
-            add(srcs, key, results[-1])
+            add(srcs, key, back)
+            del back
             if self._sources[key].last_consumer == call.index:
-                push(key, srcs.pop(key))
-        return grads
+                pending = srcs.pop(key)
+                if visit is not None:
+                    visit(f"the input of {_display(call.name)}", pending)
+                push(key, pending)
 
     def check_kron(self, names: list[str]) -> None:
         """Refuse what has no Kronecker factors: parameters outside ruled layers, shared.
