@@ -790,6 +790,12 @@ class ConvTransposeRule(LayerRule):
         return _BLOCK * element  # samples batched in the direct form
 
 
+def _standardized(flat: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``x_hat`` and ``1/std`` over the last axis of ``flat`` ``[N, M, D]`` (biased var)."""
+    rstd = (flat.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+    return (flat - flat.mean(-1, keepdim=True)) * rstd, rstd
+
+
 class _NormRule(LayerRule):
     """Shared by the normalizations: ``y = x_hat * weight + bias`` per channel/feature."""
 
@@ -897,9 +903,7 @@ class LayerNormRule(_NormRule):
     def _normalized(self, ctx):
         module, x = ctx.module, ctx.x
         d = math.prod(module.normalized_shape)
-        flat = x.reshape(x.shape[0], -1, d)
-        rstd = (flat.var(-1, unbiased=False, keepdim=True) + module.eps).rsqrt()
-        return (flat - flat.mean(-1, keepdim=True)) * rstd, rstd
+        return _standardized(x.reshape(x.shape[0], -1, d), module.eps)
 
     def backprop(self, ctx, grads):
         return self._backprop_normalized(ctx, grads, tuple(ctx.module.normalized_shape))
@@ -920,9 +924,7 @@ class GroupNormRule(_NormRule):
 
     def _normalized(self, ctx):
         module, x = ctx.module, ctx.x
-        flat = x.reshape(x.shape[0], module.num_groups, -1)
-        rstd = (flat.var(-1, unbiased=False, keepdim=True) + module.eps).rsqrt()
-        return (flat - flat.mean(-1, keepdim=True)) * rstd, rstd
+        return _standardized(x.reshape(x.shape[0], module.num_groups, -1), module.eps)
 
     def backprop(self, ctx, grads):
         shape = (-1, *([1] * (grads.dim() - 3)))

@@ -32,8 +32,8 @@ def _model(outputs: int) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, outputs))
 
 
-def _fit(model, likelihood, loader, backend, subset="all", **kwargs):
-    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="diag",
+def _fit(model, likelihood, loader, backend, subset="all", structure="diag", **kwargs):
+    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure=structure,
                  backend=backend, backend_kwargs=kwargs)  # fmt: skip
     with warnings.catch_warnings():  # the built-in BackPACK backend's hook warning
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -187,12 +187,7 @@ def test_logits_per_position_are_laplace_torchs_view_minus_one():
 
 
 def _fit_kron(model, likelihood, loader, backend, subset="all", **kwargs):
-    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="kron",
-                 backend=backend, backend_kwargs=kwargs)  # fmt: skip
-    with warnings.catch_warnings():  # the built-in BackPACK backend's hook warning
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        la.fit(loader)
-    return la
+    return _fit(model, likelihood, loader, backend, subset, "kron", **kwargs)
 
 
 @pytest.mark.parametrize("options", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
