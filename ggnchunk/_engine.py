@@ -359,7 +359,6 @@ class GGNComputation:
             ).detach()
             if any(pname == "weight" for _, pname in call.params):
                 self.input_factors[call.name] = call.rule.input_factor(call.ctx)
-                call.ctx.extra.pop("patches", None)  # not needed by the sweeps
 
     @property
     def num_columns(self) -> int:

@@ -75,6 +75,17 @@ def _assert_same_posterior(ours, theirs, label: str) -> None:
                           rtol=1e-10), f"{label}: marginal likelihood differs"  # fmt: skip
 
 
+def _assert_predictive(la, loader, likelihood: str, outputs: int) -> None:
+    """The glm predictive (torch.func Jacobians) runs after fit: no hooks left."""
+    x = next(iter(loader))[0]
+    if likelihood == "regression":
+        mean, var = la(x, pred_type="glm")
+        assert mean.shape == (3, outputs) and var.shape == (3, outputs, outputs)
+    else:
+        probs = la(x, pred_type="glm", link_approx="probit")
+        assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=DTYPE))
+
+
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 @pytest.mark.parametrize(("likelihood", "outputs"), PROBLEMS)
 def test_diag_fit_equals_backpack(likelihood, outputs, subset):
@@ -84,14 +95,7 @@ def test_diag_fit_equals_backpack(likelihood, outputs, subset):
     for options in OPTIONS:
         ours = _fit(model, likelihood, loader, ChunkedGGN, subset, **options)
         _assert_same_posterior(ours, theirs, f"{likelihood}/{outputs}/{subset} {options}")
-    # the glm predictive (torch.func Jacobians) works on the fitted model: no hooks left
-    x = next(iter(loader))[0]
-    if likelihood == "regression":
-        mean, var = ours(x, pred_type="glm")
-        assert mean.shape == (3, outputs) and var.shape == (3, outputs, outputs)
-    else:
-        probs = ours(x, pred_type="glm", link_approx="probit")
-        assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=DTYPE))
+    _assert_predictive(ours, loader, likelihood, outputs)
 
 
 @pytest.mark.parametrize(
@@ -190,13 +194,7 @@ def test_kron_fit_equals_backpack(likelihood, outputs, subset):
     for options in OPTIONS:
         ours = _fit_kron(model, likelihood, loader, ChunkedGGN, subset, **options)
         _assert_same_kron(ours, theirs, f"{likelihood}/{outputs}/{subset} {options}")
-    x = next(iter(loader))[0]
-    if likelihood == "regression":
-        mean, var = ours(x, pred_type="glm")
-        assert mean.shape == (3, outputs) and var.shape == (3, outputs, outputs)
-    else:
-        probs = ours(x, pred_type="glm", link_approx="probit")
-        assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=DTYPE))
+    _assert_predictive(ours, loader, likelihood, outputs)
 
 
 @pytest.mark.parametrize("options", OPTIONS)

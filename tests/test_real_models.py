@@ -463,16 +463,9 @@ LEAN = [
 @pytest.mark.parametrize("chunking", [{"chunk_size": 1}, {"num_chunks": 2}])
 def test_lean_passes_match_brute_force(case_id, chunking, monkeypatch):
     """Lean passes (a tight budget: patches unfolded per sample in every pass) are exact."""
-    from ggnchunk._engine import GGNComputation
+    from tests.lean import force_lean
 
-    forward = GGNComputation.forward
-
-    def lean_forward(self):
-        output = forward(self)
-        self.set_lean(True)
-        return output
-
-    monkeypatch.setattr(GGNComputation, "forward", lean_forward)
+    force_lean(monkeypatch)
     problem = BY_ID[case_id].make()
     actual = ggnchunk.diag_ggn(
         problem.model, problem.loss_func, problem.inputs, problem.targets, **chunking

@@ -122,16 +122,9 @@ def _randomize(layer: nn.Module) -> None:
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_rule_is_exact(name, shared, lean, monkeypatch):
     if lean:  # a tight budget's passes: no per-forward caches
-        from ggnchunk._engine import GGNComputation
+        from tests.lean import force_lean
 
-        forward = GGNComputation.forward
-
-        def lean_forward(self):
-            output = forward(self)
-            self.set_lean(True)
-            return output
-
-        monkeypatch.setattr(GGNComputation, "forward", lean_forward)
+        force_lean(monkeypatch)
     torch.manual_seed(0)
     build, shape = LAYERS[name]
     layer = build().double().eval()
