@@ -13,11 +13,13 @@ from ggnchunk._scheduler import (
     ChunkRecord,
     ChunkScheduler,
     MemoryBudgetError,
+    MemoryBudgetWarning,
     OutOfMemoryRecoveryWarning,
     ScheduleReport,
     clear_autotune_cache,
     plan_chunks,
 )
+from ggnchunk._sqrt_hessians import NotConvexWarning
 
 
 def _warm_up_engine() -> None:
@@ -59,7 +61,10 @@ __all__ = [
     "plan_chunks",
     "clear_autotune_cache",
     "MemoryBudgetError",
+    "MemoryBudgetWarning",
     "OutOfMemoryRecoveryWarning",
+    # warnings
+    "NotConvexWarning",
     # measuring memory
     "measure_peak_memory",
     "PeakMemory",

@@ -218,9 +218,12 @@ def _compute(
                 cost = _choose_lean(run, cost, parse_memory(local.max_memory), tracker,
                                     baseline, last - first, problem.device)  # fmt: skip
                 report.lean = report.lean or cost[2]
-                cost = cost[:2]
+
+            def bound(run=run) -> tuple[int, int]:  # asked again after the first pass
+                return run.fixed_bytes(), run.column_bytes()
+
             _, schedule = scheduler.run(
-                last - first, backward, baseline=baseline, cost=cost
+                last - first, backward, baseline=baseline, cost=bound
             )
             report.schedules.append(schedule)
         if need_gradient:

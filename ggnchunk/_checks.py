@@ -7,6 +7,8 @@ Everything here runs before the forward pass; checks that need the model output
 from __future__ import annotations
 
 import operator
+import os
+import sys
 from typing import Any
 
 import torch
@@ -185,3 +187,21 @@ def check_batch(
             "backward passes it needs; call it outside (torch.no_grad() is fine)."
         )
     return batch
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` that points at the first frame outside ggnchunk.
+
+    Returns:
+        The level, counted from the caller of this function's caller (``warnings.warn``'s
+        own convention: 1 is the function that calls ``warn``).
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(
+        os.path.abspath(frame.f_code.co_filename)
+    ).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -333,7 +333,11 @@ class Recording:
         return int(1.5 * (worst + shared_total) * n * element)
 
     def fixed_bytes(self, element: int) -> int:
-        """Bytes the rules keep for the whole forward pass (unfolded patches, Gram factors).
+        """Bytes the rules will keep for the whole forward pass, beyond what they hold now.
+
+        Caches already built (by the forward pass or an earlier sweep) are in the memory
+        in use; only what is still to be built, and the largest step's transient memory,
+        is counted.
 
         Args:
             element: Bytes per element.
@@ -341,7 +345,10 @@ class Recording:
         Returns:
             An upper bound.
         """
-        kept = sum(call.rule.fixed_bytes(call.ctx, element) for call in self.calls)
+        kept = sum(
+            max(0, call.rule.fixed_bytes(call.ctx, element) - _held_bytes(call.ctx))
+            for call in self.calls
+        )
         transient = max(
             (call.rule.transient_bytes(call.ctx, element) for call in self.calls), default=0
         )
@@ -630,3 +637,20 @@ class Recording:
 
         visit("the model output", seed)
         self.sweep(seed, None, visit)
+
+
+def _held_bytes(ctx: RuleContext) -> int:
+    """Bytes of the caches a call holds now (views of its inputs excluded)."""
+    own = {t.untyped_storage().data_ptr() for t in ctx.inputs}
+    seen, total = set(), 0
+    stack = list(ctx.extra.values())
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, torch.Tensor):
+            ptr = value.untyped_storage().data_ptr()
+            if ptr not in own and ptr not in seen:
+                seen.add(ptr)
+                total += value.untyped_storage().nbytes()
+    return total

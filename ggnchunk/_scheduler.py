@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ggnchunk._checks import check_positive_int
+from ggnchunk._checks import check_positive_int, user_stacklevel
 from ggnchunk._memory import MiB, PeakTracker, free_memory, parse_memory
 
 __all__ = [
@@ -332,7 +332,7 @@ class ChunkScheduler:
         total: int,
         fn: Callable[[int, int], Any],
         baseline: int | None = None,
-        cost: tuple[float, float] | None = None,
+        cost: tuple[float, float] | Callable[[], tuple[float, float]] | None = None,
     ) -> tuple[Any, ScheduleReport]:
         """Run ``fn`` over chunks of ``[0, total)``.
 
@@ -346,7 +346,9 @@ class ChunkScheduler:
                 With it, budget and auto modes plan from the bound instead of probing
                 (a measured chunk above the budget still shrinks the size) and never
                 grow past it on the CPU, where the resident set size cannot see memory
-                that the allocator reuses.
+                that the allocator reuses. A callable is asked again after the first
+                index ran, counted from the memory in use then (so what the first pass
+                built and keeps is not counted twice).
 
         Returns:
             ``(sum of fn's results or None, report)``.
@@ -444,7 +446,7 @@ class _Run:
             total=total, mode=scheduler.mode, chunk_size=0, budget_bytes=scheduler.budget
         )
         self.largest_failed: int | None = None
-        self.cost: tuple[float, float] | None = None
+        self.cost: tuple[float, float] | Callable[[], tuple[float, float]] | None = None
         self.overshoot_warned = False
         self._safety = _SAFETY.get(scheduler.device.type, _SAFETY["cpu"])
 
@@ -497,7 +499,7 @@ class _Run:
                 f"the rest ran with chunks of at most {worked} {self.s.what}. The result "
                 f"is exact. Pass chunk_size={worked} (or max_memory) to avoid the retries.",
                 OutOfMemoryRecoveryWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     # budget and auto modes -----------------------------------------------------------
@@ -532,7 +534,7 @@ class _Run:
                 # the first chunk of a call can leave one-time set-up behind (kernels
                 # and libraries loaded on first use): one index, then plan from after it
                 start = self.run_range(0, 1)[-1].stop
-            cached, decision = decision, self._from_cost(budget)
+            cached, decision = decision, self._from_cost(budget, check=False)
             grow = self.s.device.type == "cuda"  # exact allocator statistics only
             size = self._fit_size(decision, budget)
             if self.s.mode == "auto":
@@ -570,6 +572,8 @@ class _Run:
                 size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
                 if peak > budget:  # above the safety target only: shrink quietly
                     self._warn_overshoot(peak, budget, size)
+            elif peak > budget and done == 1:  # nothing left to shrink: say so
+                self._warn_overshoot(peak, budget, 1)
             elif grow and done == size and len(records) == 1 and peak <= target:
                 factor = (
                     2.0 if peak <= floor else min(2.0, (target - floor) / (peak - floor))
@@ -585,13 +589,17 @@ class _Run:
         self.report.chunk_size = size
         self.warn_if_recovered()
 
-    def _from_cost(self, budget: int) -> _Decision:
-        """The plan from the known bound; a budget below one index raises first."""
-        fixed_bound, per_index = self.cost
+    def _from_cost(self, budget: int, check: bool = True) -> _Decision:
+        """The plan from the known bound; a budget below one index raises first.
+
+        With ``check`` false (the re-plan after the first index ran, which fitted), the
+        size is clamped to one index instead: the work done is not thrown away.
+        """
+        fixed_bound, per_index = self.cost() if callable(self.cost) else self.cost
         settled = getattr(self.tracker, "settled", self.tracker.current)  # user trackers
         level = max(0, settled() - self.baseline)
         fixed = level + fixed_bound
-        if fixed + per_index > budget:
+        if check and fixed + per_index > budget:
             raise MemoryBudgetError(
                 f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
                 f"{self.s.what} needs up to {(fixed + per_index) / MiB:,.1f} MiB above "
@@ -610,9 +618,15 @@ class _Run:
         warnings.warn(
             f"ggnchunk: a chunk peaked at {peak / MiB:,.1f} MiB, above the "
             f"{budget / MiB:,.1f} MiB budget; the remaining chunks use at most {size} "
-            f"{self.s.what}. The result is exact.",
+            f"{self.s.what}. The result is exact."
+            + (
+                " A chunk of 1 cannot shrink further: raise max_memory, or pass "
+                "batch_chunk_size for fewer samples per forward pass."
+                if size == 1
+                else ""
+            ),
             MemoryBudgetWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     def _probe(self, budget: int) -> tuple[_Decision, int]:

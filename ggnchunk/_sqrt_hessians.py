@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._autograd import quiet_autograd
+from ggnchunk._checks import user_stacklevel
 from ggnchunk.losses import GaussianNLL
 
 __all__ = ["LOSSES", "LossSqrtHessian", "SqrtHessianFactor", "lookup_loss"]
@@ -607,7 +608,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             "convex there); the GGN uses its positive part (negative eigenvalues set to "
             "0), which keeps the curvature positive semi-definite.",
             NotConvexWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -79,8 +79,9 @@ def test_non_convex_loss_uses_the_positive_part_and_warns():
         return torch.cos(output - target).sum()
 
     targets = torch.zeros(5, 2, dtype=torch.float64)
-    with pytest.warns(NotConvexWarning, match="positive part"):
+    with pytest.warns(NotConvexWarning, match="positive part") as record:
         actual = ggnchunk.diag_ggn(model, cosine, X, targets, num_chunks=2)
+    assert record[0].filename == __file__  # points at the user's call
     with torch.no_grad():
         hess = (-torch.cos(model(X))).clamp_min(0)  # [N, 2], diagonal per sample
     expected = {k: torch.zeros_like(v) for k, v in model.named_parameters()}

@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 import ggnchunk
-from ggnchunk import ChunkScheduler, MemoryBudgetError, OutOfMemoryRecoveryWarning
+from ggnchunk import (
+    ChunkScheduler,
+    MemoryBudgetError,
+    MemoryBudgetWarning,
+    OutOfMemoryRecoveryWarning,
+)
 from ggnchunk._engine import GGNComputation
 from ggnchunk._memory import parse_memory
 from ggnchunk._scheduler import _SAFETY
@@ -117,6 +122,7 @@ def test_out_of_memory_splits_and_keeps_finished_chunks(mode):
     with pytest.warns(OutOfMemoryRecoveryWarning, match="ran out of memory") as record:
         total, report = ChunkScheduler(**kwargs).run(200, run)
     assert len(record) == 1
+    assert record[0].filename == __file__  # the warning points at the caller's line
     assert total.item() == sum(range(200))
     assert report.out_of_memory_splits > 0
     assert all(c.stop - c.start <= 30 for c in report.chunks)
@@ -206,9 +212,10 @@ def test_out_of_memory_recovery_inside_diag_ggn_is_exact(monkeypatch):
     model, loss_func, x, targets = _problem(1, 0)
     one_pass = ggnchunk.diag_ggn(model, loss_func, x, targets)
     _SimulatedDevice(monkeypatch, limit=10 * MiB + 9 * MiB)  # more than 9 columns fail
-    with pytest.warns(OutOfMemoryRecoveryWarning, match="at most 9 columns"):
+    with pytest.warns(OutOfMemoryRecoveryWarning, match="at most 9 columns") as record:
         actual, report = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2,
                                            return_report=True)  # fmt: skip
+    assert record[0].filename == __file__  # the user's call, not ggnchunk's internals
     assert_diag_close(actual, one_pass, rtol=1e-5)
     assert report.chunk_size <= 9 and report.schedules[0].out_of_memory_splits >= 2
 
@@ -301,3 +308,42 @@ def test_a_pass_that_fails_after_adding_some_parameters_is_retried_exactly(
         actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=1)
     assert calls[0] == 4 and len(calls) > 2
     assert_diag_close(actual, expected, rtol=1e-10)
+
+
+def test_known_cost_refuses_before_any_work():
+    sim = SimulatedMemory()
+    calls = []
+
+    def run(start, stop):
+        calls.append((start, stop))
+        return sim.run(start, stop)
+
+    scheduler = ChunkScheduler(max_memory=20 * MiB, tracker=sim)
+    with pytest.raises(MemoryBudgetError, match="max_memory is 20.0 MiB"):
+        scheduler.run(10, run, baseline=0, cost=(19 * MiB, 2 * MiB))
+    assert calls == []
+
+
+def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
+    # the first pass leaves memory behind (one-time set-up), so that after it the bound
+    # says one index no longer fits: the scheduler goes on with one index per pass
+    # (warning when a pass goes above the budget) instead of throwing the work away
+    sim = SimulatedMemory(fixed=2 * MiB, per_index=MiB)
+    asked = []
+
+    def bound():
+        asked.append(sim.level)
+        return 2 * MiB, MiB
+
+    def run(start, stop):
+        value = sim.run(start, stop)
+        sim.level = 19 * MiB  # left behind by the first pass
+        return value
+
+    scheduler = ChunkScheduler(max_memory=20 * MiB, tracker=sim)
+    with pytest.warns(MemoryBudgetWarning, match="cannot shrink further") as record:
+        total, report = scheduler.run(6, run, baseline=0, cost=bound)
+    assert record[0].filename == __file__
+    assert len(asked) == 2  # before any work, and after the first index
+    assert total.item() == sum(range(6))
+    assert [(c.start, c.stop) for c in report.chunks] == [(i, i + 1) for i in range(6)]
