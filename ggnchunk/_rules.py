@@ -63,7 +63,10 @@ def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False
 
 
 def square_sum(
-    a: Tensor, b: Tensor, cache: dict[str, Tensor] | None = None, lean: bool = False
+    a: Tensor,
+    b: Tensor,
+    cache: dict[str, Tensor] | None = None,
+    lean: bool = False,
 ) -> Tensor:
     """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
 
@@ -90,6 +93,11 @@ def square_sum(
                 cache["gram"] = bb
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
+    if g == 1 and p > k and not lean:  # rows too long to copy: one sample at a time,
+        total = a.new_zeros(o, k)  # its columns as a strided batch (no copy)
+        for i in range(n):
+            total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
+        return total.unsqueeze(0)
     if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most _BLOCK elements
         # of copied rows and products together (cache-sized: one sample at a time for
         # large ones, many small products in one call)
