@@ -18,6 +18,7 @@ from ggnchunk._scheduler import (
     check_chunking,
     passes_within,
     plan_chunks,
+    planning_share,
 )
 
 
@@ -147,7 +148,10 @@ def _choose_lean(
     run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
     total: int, device: torch.device,
 ) -> tuple[int, int, bool]:  # fmt: skip
-    """Run lean (no per-forward caches) where that at least halves the passes.
+    """Run lean (no per-forward caches) where that pays.
+
+    Lean where that at least halves the passes, or where only the lean run's bound fits
+    one column within the planning target (a budget that the caches alone nearly fill).
 
     Returns:
         The cost to plan with and whether the run is lean.
@@ -156,9 +160,10 @@ def _choose_lean(
     level = max(0, settled() - baseline)
     run.set_lean(True)
     lean = (run.fixed_bytes(), run.column_bytes())  # the Gram form is chosen by memory
+    target = planning_share(device) * budget
     if 2 * passes_within(budget, device, level, *lean, total) <= passes_within(
         budget, device, level, *cost, total
-    ):
+    ) or (level + sum(lean) <= target < level + sum(cost)):
         return (*lean, True)
     run.set_lean(False)
     return (*cost, False)

@@ -93,8 +93,10 @@ def square_sum(
                 cache["gram"] = bb
         aa = torch.einsum("vngop,vngoq->ngopq", a, a)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
-    if g == 1 and p > k and not lean:  # rows too long to copy: one sample at a time,
-        total = a.new_zeros(o, k)  # its columns as a strided batch (no copy)
+    if g == 1 and p > k and not lean and v * o * (p + k) >= _BLOCK:  # one sample at a
+        # time anyway, and its rows longer than its products: its columns as a strided
+        # batch, without copying the rows
+        total = a.new_zeros(o, k)
         for i in range(n):
             total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
         return total.unsqueeze(0)

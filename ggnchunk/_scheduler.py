@@ -32,6 +32,7 @@ __all__ = [
     "clear_autotune_cache",
     "is_out_of_memory",
     "plan_chunks",
+    "planning_share",
 ]
 
 Plan = list[tuple[int, int]]
@@ -108,6 +109,18 @@ _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this man
 _MIN_GAIN = 0.10  # a smaller trial size must be this much faster per index to be chosen
 
 
+def planning_share(device: torch.device) -> float:
+    """Share of a budget that plans aim at on ``device`` (the rest is a safety margin).
+
+    Args:
+        device: Where the work runs.
+
+    Returns:
+        A number in ``(0, 1]``.
+    """
+    return _SAFETY.get(device.type, _SAFETY["cpu"])
+
+
 def passes_within(
     budget: int, device: torch.device, level: int, fixed: int, per_index: int, total: int
 ) -> float:
@@ -126,7 +139,7 @@ def passes_within(
     """
     if level + fixed + per_index > budget:
         return math.inf
-    room = _SAFETY.get(device.type, _SAFETY["cpu"]) * budget - level - fixed
+    room = planning_share(device) * budget - level - fixed
     size = max(1, min(total, int(room // max(per_index, 1))))
     return math.ceil(total / size)
 

@@ -144,7 +144,7 @@ def test_rule_is_exact(name, shared, lean, monkeypatch):
 
 SHAPES = [(3, 2, 1, 4, 5, 1), (3, 2, 1, 4, 5, 6), (2, 3, 2, 3, 4, 2), (50, 2, 1, 8, 9, 3),
           (1, 2, 1, 8, 9, 40), (4, 2, 3, 2, 2, 7), (2, 3, 1, 6, 40, 12),
-          (5, 3, 1, 2, 3, 30)]  # fmt: skip
+          (5, 3, 1, 2, 3, 30), (1000, 2, 1, 30, 3, 40)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("v", "n", "g", "o", "k", "p"), SHAPES)

@@ -347,3 +347,37 @@ def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
     assert len(asked) == 2  # before any work, and after the first index
     assert total.item() == sum(range(6))
     assert [(c.start, c.stop) for c in report.chunks] == [(i, i + 1) for i in range(6)]
+
+
+class _FakeRun:
+    """What ``_choose_lean`` asks of a computation: bounds with and without caches."""
+
+    def __init__(self, full, lean):
+        self.costs, self.lean = {False: full, True: lean}, False
+
+    def set_lean(self, lean):
+        self.lean = lean
+
+    def fixed_bytes(self):
+        return self.costs[self.lean][0]
+
+    def column_bytes(self):
+        return self.costs[self.lean][1]
+
+
+@pytest.mark.parametrize(
+    ("full", "lean", "expected"),
+    [((40 * MiB, MiB), (MiB, MiB), True),  # lean fits twice as many columns per pass
+     ((2 * MiB, MiB), (MiB, MiB), False),  # about the same passes: keep the caches
+     ((60 * MiB, MiB), (10 * MiB, 2 * MiB), True),  # only lean fits the 70 MiB target
+     ((90 * MiB, MiB), (80 * MiB, MiB), False)],  # neither fits the target: no gain
+)  # fmt: skip
+def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(full, lean, expected):
+    from ggnchunk._api import _choose_lean
+
+    run = _FakeRun(full, lean)
+    tracker = SimulatedMemory()
+    tracker.level = 5 * MiB
+    cost = _choose_lean(run, full, 100 * MiB, tracker, 0, 100, torch.device("cpu"))
+    assert cost[2] is expected and run.lean is expected
+    assert cost[:2] == (lean if expected else full)
