@@ -144,6 +144,36 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
+def _choose_columns(
+    run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
+    total: int, device: torch.device,
+) -> tuple[int, int]:  # fmt: skip
+    """Plan the contraction forms for the chunk size the budget allows.
+
+    The bound made for all columns keeps the Gram form's factors of every layer where
+    that form wins for a chunk of all columns; under a budget that only fits small
+    chunks those factors would never be used, and reserving them makes the chunks
+    smaller still. Plan for the size the budget gives without them instead, where that
+    needs fewer passes.
+
+    Returns:
+        The cost to plan with (the run's bounds are made for it).
+    """
+    settled = getattr(tracker, "settled", tracker.current)
+    level = max(0, settled() - baseline)
+    passes = passes_within(budget, device, level, *cost, total)
+    if passes <= 1:
+        return cost
+    # the least any plan reserves: the Gram form only where it wins for one column
+    fewest = passes_within(budget, device, level, run.fixed_bytes(1), cost[1], total)
+    if fewest < passes:
+        small = (run.fixed_bytes(-(-total // fewest)), cost[1])
+        if passes_within(budget, device, level, *small, total) < passes:
+            return small
+    run.fixed_bytes(total)
+    return cost
+
+
 def _choose_lean(
     run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
     total: int, device: torch.device,
@@ -220,8 +250,11 @@ def _compute(
         if last > first:
             cost = (run.fixed_bytes(), run.column_bytes())
             if local.max_memory is not None and tracker is not None:
-                cost = _choose_lean(run, cost, parse_memory(local.max_memory), tracker,
-                                    baseline, last - first, problem.device)  # fmt: skip
+                budget = parse_memory(local.max_memory)
+                cost = _choose_columns(run, cost, budget, tracker, baseline,
+                                       last - first, problem.device)  # fmt: skip
+                cost = _choose_lean(run, cost, budget, tracker, baseline, last - first,
+                                    problem.device)  # fmt: skip
                 report.lean = report.lean or cost[2]
 
             def bound(run=run) -> tuple[int, int]:  # asked again after the first pass

@@ -244,6 +244,7 @@ class GGNComputation:
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
+        self._columns: int | None = None  # the chunk size the bounds are made for
         self.loss: Tensor | None = None
         self._kron = kron
         self.diagonal: list[Tensor] = [] if kron else self._zeros()
@@ -374,15 +375,23 @@ class GGNComputation:
         element = self._output.element_size()
         return self._recording.column_bytes(element) + self._require_factor().column_bytes()
 
-    def fixed_bytes(self) -> int:
+    def fixed_bytes(self, columns: int | None = None) -> int:
         """Upper bound on the bytes the sweeps keep whatever the chunk size.
+
+        Args:
+            columns: The chunk size to plan the contraction forms for (default: the
+                last one given, at first all columns). A layer keeps the Gram form's
+                factors only where that form wins at this size; larger chunks then
+                choose as this size would, so the bound holds for every chunk size.
 
         Returns:
             Bytes (rule caches and the chunk's diagonal accumulators).
         """
         element = self._output.element_size()
-        for call in self._recording.calls:  # the Gram form's factors depend on it
-            call.ctx.columns = self.num_columns
+        if columns is not None or self._columns is None:
+            self._columns = min(columns or self.num_columns, self.num_columns)
+            for call in self._recording.calls:  # the Gram form's factors depend on it
+                call.ctx.columns = self._columns
         if self._kron:  # no rule caches (patches dropped after the input factors); the
             # totals are allocated with the forward pass, each chunk's own on top
             return sum(f.numel() for f in self.output_factors.values()) * element

@@ -67,6 +67,7 @@ def square_sum(
     b: Tensor,
     cache: dict[str, Tensor] | None = None,
     lean: bool = False,
+    columns: int | None = None,
 ) -> Tensor:
     """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
 
@@ -75,13 +76,16 @@ def square_sum(
         b: ``[N, G, K, P]`` (fixed for the forward pass).
         cache: Where the Gram factor of ``b`` is kept between chunks.
         lean: Choose the form by memory rather than by work (a tight budget).
+        columns: The chunk size the memory bound was made for
+            (:func:`square_sum_bytes`): larger chunks choose the form that size would,
+            so that the bound holds for every chunk.
 
     Returns:
         ``[G, O, K]``.
     """
     v, n, g, o, p = a.shape
     k = b.shape[2]
-    if _use_gram(v, n, g, o, k, p, lean):
+    if _use_gram(v if columns is None else min(v, columns), n, g, o, k, p, lean):
         if p == 1:
             return torch.einsum(
                 "ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square()
@@ -443,7 +447,7 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         a, b = self._sides(ctx, grads)
         if _trainable(module, "weight"):
-            out["weight"] = square_sum(a, b, ctx.extra)[0]
+            out["weight"] = square_sum(a, b, ctx.extra, columns=ctx.columns)[0]
         if _trainable(module, "bias"):
             out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
         return out
@@ -602,7 +606,7 @@ class ConvRule(LayerRule):
                     b = a.new_empty(()).expand(n, g, k, p)  # shape is read, no patches
                 else:
                     b = self._patches(ctx)
-                weight = square_sum(a, b, ctx.extra, ctx.lean)
+                weight = square_sum(a, b, ctx.extra, ctx.lean, ctx.columns)
                 out["weight"] = weight.reshape(module.weight.shape)
         if _trainable(module, "bias"):
             out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
@@ -760,7 +764,9 @@ class ConvTransposeRule(LayerRule):
             result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
             for j, offset in enumerate(offsets):
                 a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
-                result[:, :, j] = square_sum(a, b, ctx.extra)  # one Gram factor of b
+                result[:, :, j] = square_sum(  # one Gram factor of b
+                    a, b, ctx.extra, columns=ctx.columns
+                )
             out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
         if _trainable(module, "bias"):
             out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))

@@ -186,3 +186,19 @@ def test_pooling_and_upsampling_use_their_kernel_or_say_autograd(monkeypatch, na
         y = torch.randn_like(model(x))
     ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
     assert results and all(results) == ("bicubic" not in name)
+
+
+def test_square_sum_keeps_no_gram_factor_beyond_the_planned_chunk_size():
+    # a bound made for chunks of one column reserves no Gram factor where the direct
+    # form wins for one column: a larger chunk must then not build one either
+    v, n, g, o, k, p = 50, 2, 1, 8, 9, 3
+    assert _use_gram(v, n, g, o, k, p) and not _use_gram(1, n, g, o, k, p)
+    torch.manual_seed(2)
+    a = torch.randn(v, n, g, o, p, dtype=torch.float64)
+    b = torch.randn(n, g, k, p, dtype=torch.float64)
+    expected = torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+    for columns, kept in ((1, False), (2, False), (5, True), (v, True), (None, True)):
+        cache = {}
+        torch.testing.assert_close(square_sum(a, b, cache, columns=columns), expected,
+                                   rtol=1e-12, atol=0)  # fmt: skip
+        assert ("gram" in cache) is kept, columns

@@ -26,6 +26,7 @@ from tests.cases import LOSSES, MODELS
 from tests.reference import assert_diag_close
 
 MiB = 2**20
+GiB = 2**30
 
 
 class SimulatedMemory:
@@ -183,7 +184,9 @@ class _SimulatedDevice(SimulatedMemory):
         monkeypatch.setattr(ggnchunk._api, "PeakTracker", lambda device: sim)
         # the engine's analytic bound, simulated too: the plan follows the simulation
         monkeypatch.setattr(GGNComputation, "column_bytes", lambda run: sim.per_index)
-        monkeypatch.setattr(GGNComputation, "fixed_bytes", lambda run: sim.fixed)
+        monkeypatch.setattr(
+            GGNComputation, "fixed_bytes", lambda run, columns=None: sim.fixed
+        )
 
 
 @pytest.mark.parametrize("loss_index", range(len(LOSSES)))
@@ -381,3 +384,34 @@ def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(full, lean, expect
     cost = _choose_lean(run, full, 100 * MiB, tracker, 0, 100, torch.device("cpu"))
     assert cost[2] is expected and run.lean is expected
     assert cost[:2] == (lean if expected else full)
+
+
+class _GramRun:
+    """Bounds whose fixed part holds Gram factors for chunks of 100 columns or more."""
+
+    def __init__(self):
+        self.columns = None
+
+    def fixed_bytes(self, columns=None):
+        if columns is not None:
+            self.columns = columns
+        return MiB + (30 * MiB if self.columns >= 100 else 0)
+
+    def column_bytes(self):
+        return MiB // 2
+
+
+# 40 MiB: the all-columns bound (31 MiB fixed) leaves no room in the 28 MiB planning
+# target (70%), one column per pass; without Gram factors 27 MiB hold 54 columns, 15
+# passes of at most 53, and a bound made for 53 columns keeps no Gram factor. 10 GiB: one
+# pass of all 784 columns, planned as before.
+@pytest.mark.parametrize(("budget", "planned"), [(40 * MiB, 53), (10 * GiB, 784)])
+def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(budget, planned):
+    from ggnchunk._api import _choose_columns
+
+    run, tracker = _GramRun(), SimulatedMemory()
+    run.fixed_bytes(784)
+    cost = (run.fixed_bytes(), run.column_bytes())
+    cost = _choose_columns(run, cost, budget, tracker, 0, 784, torch.device("cpu"))
+    assert run.columns == planned  # the bounds were made for that chunk size
+    assert cost == (run.fixed_bytes(), run.column_bytes())
