@@ -180,8 +180,9 @@ def _choose_lean(
 ) -> tuple[int, int, bool]:  # fmt: skip
     """Run lean (no per-forward caches) where that pays.
 
-    Lean where that at least halves the passes, or where only the lean run's bound fits
-    one column within the planning target (a budget that the caches alone nearly fill).
+    Lean where that at least halves the passes, or where one column of the full run's
+    bound does not fit the planning target (a budget that the caches nearly fill): the
+    lean run's smaller bound is then the safer plan.
 
     Returns:
         The cost to plan with and whether the run is lean.
@@ -193,7 +194,7 @@ def _choose_lean(
     target = planning_share(device) * budget
     if 2 * passes_within(budget, device, level, *lean, total) <= passes_within(
         budget, device, level, *cost, total
-    ) or (level + sum(lean) <= target < level + sum(cost)):
+    ) or (target < level + sum(cost) and sum(lean) < sum(cost)):
         return (*lean, True)
     run.set_lean(False)
     return (*cost, False)

@@ -48,6 +48,7 @@ __all__ = [
 
 _GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
 _BLOCK = 2**20  # elements of one batched product of the direct form (4 MiB in float32)
+_SMALL_WEIGHT = 2**16  # convolution weights backpropagated by the transposed convolution
 
 
 def _use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
@@ -664,8 +665,17 @@ class ConvRule(LayerRule):
             _tuple(t, dims) for t in (module.kernel_size, module.stride, module.padding,
                                       module.dilation)
         )  # fmt: skip
-        # the transposed convolution (oneDNN's fast path; up to 1.7x faster than the
-        # input gradient kernel for few channels), with the rows the stride dropped
+        weight = module.weight.detach()
+        if weight.numel() > _SMALL_WEIGHT:  # oneDNN's transposed convolution reorders
+            # the weight (+9 MiB on ResNet-18's last stage): the input gradient kernel
+            result = torch.ops.aten.convolution_backward(
+                folded, folded.new_empty(1).expand(v * n, *x.shape[1:]), weight, None,
+                stride, padding, dilation, False, [0] * dims, module.groups,
+                [True, False, False],
+            )[0]  # fmt: skip
+            return result.reshape(v, n, *x.shape[1:])
+        # few channels: the transposed convolution (up to 1.7x faster), with the rows
+        # the stride dropped
         extra = [
             size - ((out - 1) * s - 2 * p + d * (k - 1) + 1)
             for size, out, s, p, d, k in zip(
@@ -674,10 +684,7 @@ class ConvRule(LayerRule):
             )
         ]  # fmt: skip
         conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
-        result = conv(
-            folded, module.weight.detach(), None, stride, padding, extra, module.groups,
-            dilation,
-        )  # fmt: skip
+        result = conv(folded, weight, None, stride, padding, extra, module.groups, dilation)
         return result.reshape(v, n, *x.shape[1:])
 
     @staticmethod
@@ -688,15 +695,17 @@ class ConvRule(LayerRule):
         k = module.weight.numel() // module.out_channels
         o = module.out_channels // g
         patches = 2 * n * g * k * positions  # padded input and unfolded patches
+        # a small weight is reordered by the transposed convolution of the backprop
+        reorder = module.weight.numel() if module.weight.numel() <= _SMALL_WEIGHT else 0
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
-            return fixed + patches, per_column, _BLOCK
+            return fixed + patches, per_column, _BLOCK + reorder
         # lean: nothing kept but Gram factors; all patches at once only to build those
         # (and for per-sample products), one sample's otherwise; the input's squares for
         # the output layer's one-hot form
         fixed, per_column = square_sum_bytes(n, g, o, k, positions, lean=True)
         whole = fixed > 0 or ctx.shared
-        transient = patches if whole else 2 * g * k * positions
+        transient = (patches if whole else 2 * g * k * positions) + reorder
         if ctx.output:
             transient += ctx.x.numel()
         return fixed, per_column, transient

@@ -106,7 +106,9 @@ def plan_chunks(
 _SAFETY = {"cuda": 0.92, "cpu": 0.7}  # CPU: glibc keeps freed blocks (measured up to 1.5x)
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
-_MIN_GAIN = 0.10  # a smaller trial size must be this much faster per index to be chosen
+_MIN_GAIN = 0.25  # a smaller trial size must be this much faster per index to be chosen
+# (timings of single chunks on a busy machine vary by 10-20%, and the first chunks of a
+# size pay its fresh pages: a smaller gain is more often noise than a real optimum)
 
 
 def planning_share(device: torch.device) -> float:
@@ -704,7 +706,7 @@ class _Run:
         Otherwise the budget's size ``size_max`` is timed first, on two chunks (those
         budget mode would run, so these trials cost nothing extra; the faster one counts,
         as the first pays one-time costs of the size), then half of it, a quarter, ...
-        as long as each halving is at least 10% faster per index (time per index is
+        as long as each halving is at least 25% faster per index (time per index is
         U-shaped in the chunk size: fixed costs per pass on the left, memory traffic on
         the right) and the trials stay within ``_TRIAL_SHARE`` of the range. Every trial
         is real work, and the choice is cached by the caller. ``grow`` is true when
