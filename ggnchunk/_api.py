@@ -249,6 +249,7 @@ def _compute(
             run.backward(first + a, first + b)
 
         if last > first:
+            # fixed_bytes() also makes every layer's bounds for all columns per chunk
             cost = (run.fixed_bytes(), run.column_bytes())
             if local.max_memory is not None and tracker is not None:
                 budget = parse_memory(local.max_memory)

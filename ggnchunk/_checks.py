@@ -7,7 +7,6 @@ Everything here runs before the forward pass; checks that need the model output
 from __future__ import annotations
 
 import operator
-import os
 import sys
 from typing import Any
 
@@ -189,19 +188,24 @@ def check_batch(
     return batch
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# frames a warning passes through between ggnchunk and its caller: torch's decorators
+# (``no_grad``) and ``torch.optim``'s step hooks around ``DiagGGNOptimizer.step``
+_WRAPPERS = frozenset({"torch.utils._contextlib", "torch.optim.optimizer", "contextlib"})
 
 
 def user_stacklevel() -> int:
     """``stacklevel`` for ``warnings.warn`` that points at the first frame outside ggnchunk.
+
+    Walks out of ggnchunk's modules (and the torch wrappers directly around them).
 
     Returns:
         The level, counted from the caller of this function's caller (``warnings.warn``'s
         own convention: 1 is the function that calls ``warn``).
     """
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.dirname(
-        os.path.abspath(frame.f_code.co_filename)
-    ).startswith(_PACKAGE):
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] != "ggnchunk" and module not in _WRAPPERS:
+            break
         frame, level = frame.f_back, level + 1
     return level

@@ -639,11 +639,14 @@ class Recording:
         self.sweep(seed, None, visit)
 
 
+_BOUNDED_CACHES = ("patches", "gram", "x_hat", "normalized")  # what fixed bounds count
+
+
 def _held_bytes(ctx: RuleContext) -> int:
-    """Bytes of the caches a call holds now (views of its inputs excluded)."""
+    """Bytes of the bounded caches a call holds now (views of its inputs excluded)."""
     own = {t.untyped_storage().data_ptr() for t in ctx.inputs}
     seen, total = set(), 0
-    stack = list(ctx.extra.values())
+    stack = [ctx.extra[key] for key in _BOUNDED_CACHES if key in ctx.extra]
     while stack:
         value = stack.pop()
         if isinstance(value, (tuple, list)):

@@ -504,7 +504,7 @@ class LinearRule(LayerRule):
         return self._sizes(ctx)[0] * element
 
     def transient_bytes(self, ctx, element):
-        return 0 if ctx.lean else _BLOCK * element  # samples batched in the direct form
+        return _BLOCK * element  # samples batched in the direct form (also when lean)
 
 
 def _tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:

@@ -22,6 +22,10 @@ LAYERS = {
     "linear-tokens": (lambda: nn.Linear(4, 3), (5, 4)),
     "linear-no-bias-2-extra-axes": (lambda: nn.Linear(4, 3, bias=False), (2, 3, 4)),
     "conv1d-stride-dilation": (lambda: nn.Conv1d(2, 4, 3, stride=2, dilation=2), (2, 11)),
+    "conv1d-drops-a-row": (lambda: nn.Conv1d(2, 4, 3, stride=2, dilation=2), (2, 12)),
+    "conv2d-stride3-drops-rows": (
+        lambda: nn.Conv2d(2, 3, (3, 2), stride=(3, 2), padding=(1, 0)), (2, 8, 7)
+    ),
     "conv2d-groups-padding": (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (4, 5, 5)),
     "conv2d-same-reflect": (
         lambda: nn.Conv2d(2, 3, (3, 2), padding="same", padding_mode="reflect"),
@@ -140,6 +144,17 @@ def test_rule_is_exact(name, shared, lean, monkeypatch):
     for kwargs in ({}, {"num_chunks": 3}, {"chunk_size": 1}):
         actual = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
         assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} {kwargs}")
+
+
+CONVOLUTIONS = [name for name in LAYERS if name.startswith("conv")]
+
+
+@pytest.mark.parametrize("name", CONVOLUTIONS)
+def test_convolution_backprop_by_the_input_gradient_kernel_is_exact(name, monkeypatch):
+    # large weights are backpropagated by convolution_backward instead of the transposed
+    # convolution: force that path on the small test layers
+    monkeypatch.setattr(ggnchunk._rules, "_SMALL_WEIGHT", -1)
+    test_rule_is_exact(name, False, False, monkeypatch)
 
 
 SHAPES = [(3, 2, 1, 4, 5, 1), (3, 2, 1, 4, 5, 6), (2, 3, 2, 3, 4, 2), (50, 2, 1, 8, 9, 3),

@@ -416,3 +416,28 @@ def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(budget, p
     cost = _choose_columns(run, cost, budget, tracker, 0, 784, torch.device("cpu"))
     assert run.columns == planned  # the bounds were made for that chunk size
     assert cost == (run.fixed_bytes(), run.column_bytes())
+
+
+def _warner(module_name: str, path: str):
+    """A function defined as if in module ``module_name`` (file ``path``) that warns."""
+    namespace = {"__name__": module_name}
+    code = (
+        "import warnings\n"
+        "from ggnchunk._checks import user_stacklevel\n"
+        "def warn():\n"
+        "    warnings.warn('from ' + __name__, UserWarning, stacklevel=user_stacklevel())\n"
+    )
+    exec(compile(code, path, "exec"), namespace)
+    return namespace["warn"]
+
+
+def test_warnings_skip_ggnchunk_and_torch_wrappers_but_not_sibling_packages():
+    inner = _warner("ggnchunk._fake", "/x/ggnchunk/_fake.py")
+    wrapped = torch.no_grad()(inner)  # as DiagGGNOptimizer.step is wrapped
+    with pytest.warns(UserWarning, match="ggnchunk._fake") as record:
+        wrapped()
+    assert record[0].filename == __file__
+    sibling = _warner("ggnchunk_extra.lib", "/x/ggnchunk_extra/lib.py")
+    with pytest.warns(UserWarning, match="ggnchunk_extra") as record:
+        sibling()  # another package whose name starts the same is the user's code
+    assert record[0].filename == "/x/ggnchunk_extra/lib.py"
