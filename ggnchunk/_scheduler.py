@@ -706,9 +706,11 @@ class _Run:
         Otherwise the budget's size ``size_max`` is timed first, on two chunks (those
         budget mode would run, so these trials cost nothing extra; the faster one counts,
         as the first pays one-time costs of the size), then half of it, a quarter, ...
-        as long as each halving is at least 25% faster per index (time per index is
-        U-shaped in the chunk size: fixed costs per pass on the left, memory traffic on
-        the right) and the trials stay within ``_TRIAL_SHARE`` of the range. Every trial
+        as long as each halving is at least 25% faster per index than the larger size,
+        timed again after it (time per index is U-shaped in the chunk size: fixed costs
+        per pass on the left, memory traffic on the right; and the first chunks of a
+        call run while the allocator still adapts) and the trials stay within
+        ``_TRIAL_SHARE`` of the range. Every trial
         is real work, and the choice is cached by the caller. ``grow`` is true when
         ``size_max`` stayed the fastest: larger sizes (up to the budget) may be faster
         still.
@@ -737,6 +739,19 @@ class _Run:
                 )
             if rate >= (1.0 - _MIN_GAIN) * best_rate:
                 break  # past the sweet spot, or too little gain for more passes
+            if best_rate < float("inf") and start < self.total:
+                # the larger size was timed first, while the allocator still adapted
+                # (glibc's mmap threshold rises as large blocks are freed): time it once
+                # more, after the smaller one, before believing the gain (real work)
+                again = self.run_range(start, min(self.total, start + best))
+                start = again[-1].stop
+                used += best
+                best_rate = min(
+                    best_rate,
+                    sum(r.seconds for r in again) / sum(r.stop - r.start for r in again),
+                )
+                if rate >= (1.0 - _MIN_GAIN) * best_rate:
+                    break
             best, best_rate = done, rate
             size = done // 2
         return start, best, best >= size_max

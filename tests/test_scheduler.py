@@ -441,3 +441,26 @@ def test_warnings_skip_ggnchunk_and_torch_wrappers_but_not_sibling_packages():
     with pytest.warns(UserWarning, match="ggnchunk_extra") as record:
         sibling()  # another package whose name starts the same is the user's code
     assert record[0].filename == "/x/ggnchunk_extra/lib.py"
+
+
+def test_auto_times_the_larger_size_again_before_believing_a_smaller_one():
+    # the first two large chunks of a call run slower (the allocator still adapting to
+    # their size): the half size looks twice as fast until the full size is timed again
+    ggnchunk.clear_autotune_cache()
+    sim, calls = SimulatedMemory(), []
+
+    def timed_measure(fn):
+        result, peak, _ = SimulatedMemory.measure(sim, fn)
+        if sim.size >= 40:
+            calls.append(sim.size)
+        slow = sim.size >= 40 and len(calls) <= 2
+        return result, peak, sim.size * (2.0 if slow else 1.0) * 1e-3
+
+    sim.measure = timed_measure
+    budget_mode = ChunkScheduler(max_memory="100MiB", tracker=sim).run(2000, sim.run)[1]
+    calls.clear()
+    scheduler = ChunkScheduler(chunk_size="auto", max_memory="100MiB", tracker=sim)
+    total, report = scheduler.run(2000, sim.run)
+    assert total.item() == sum(range(2000))
+    assert report.chunk_size == budget_mode.chunk_size  # no smaller size was chosen
+    ggnchunk.clear_autotune_cache()
