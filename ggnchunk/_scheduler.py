@@ -720,36 +720,32 @@ class _Run:
             return start, size_max, True
         allowance = int(_TRIAL_SHARE * remaining)
         best, best_rate, size, used = size_max, float("inf"), size_max, 0
+
+        def timed(first: int, size: int) -> tuple[int, float, int]:
+            """Run a chunk from ``first``: (next start, seconds per index, its size)."""
+            records = self.run_range(first, min(self.total, first + size))
+            sizes = [r.stop - r.start for r in records]
+            rate = sum(r.seconds for r in records) / sum(sizes)
+            return records[-1].stop, rate, max(sizes)
+
         while size >= 1 and used + size <= allowance and start < self.total:
-            records = self.run_range(start, min(self.total, start + size))
-            start = records[-1].stop
+            start, rate, done = timed(start, size)
             used += size
-            columns = sum(r.stop - r.start for r in records)
-            rate = sum(r.seconds for r in records) / columns
-            done = max(r.stop - r.start for r in records)
             if size == size_max and used + size <= allowance and start < self.total:
                 # the first chunk of the largest size pays one-time costs (fresh pages,
                 # the allocator adapting to the size): its second chunk is the rate
-                again = self.run_range(start, min(self.total, start + size))
-                start = again[-1].stop
+                start, again, _ = timed(start, size)
                 used += size
-                rate = min(
-                    rate,
-                    sum(r.seconds for r in again) / sum(r.stop - r.start for r in again),
-                )
+                rate = min(rate, again)
             if rate >= (1.0 - _MIN_GAIN) * best_rate:
                 break  # past the sweet spot, or too little gain for more passes
             if best_rate < float("inf") and start < self.total:
                 # the larger size was timed first, while the allocator still adapted
                 # (glibc's mmap threshold rises as large blocks are freed): time it once
                 # more, after the smaller one, before believing the gain (real work)
-                again = self.run_range(start, min(self.total, start + best))
-                start = again[-1].stop
+                start, again, _ = timed(start, best)
                 used += best
-                best_rate = min(
-                    best_rate,
-                    sum(r.seconds for r in again) / sum(r.stop - r.start for r in again),
-                )
+                best_rate = min(best_rate, again)
                 if rate >= (1.0 - _MIN_GAIN) * best_rate:
                     break
             best, best_rate = done, rate
