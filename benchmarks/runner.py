@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.methods import METHODS
+from benchmarks.peak import high_water_mark_mib
 from benchmarks.problems import build
 
 MMAP_THRESHOLD = "131072"  # without it, freed memory returns to the OS unpredictably
@@ -57,27 +58,6 @@ def _unpack(result, record: dict) -> list:
     return result
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_high_water_mark() -> bool:
-    """Reset the kernel's peak RSS (``VmHWM``) to the current RSS; False if impossible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-    except OSError:
-        return False
-    return _status_bytes("VmHWM") is not None
-
-
 def malloc_trim() -> bool:
     """Give the heap's free pages back to the OS (glibc); False where unavailable."""
     try:
@@ -89,10 +69,9 @@ def malloc_trim() -> bool:
 def peak_extra_mib(call: Callable, device: str, peak: str) -> tuple[float, str, object]:
     """Run ``call`` once: peak memory above the level before it [MiB], method, result."""
     if device.startswith("cpu") and peak == "hwm":
-        before = _status_bytes("VmRSS")
-        if before is not None and _reset_high_water_mark():
-            result = call()
-            return (_status_bytes("VmHWM") - before) / MiB, "vmhwm", result
+        measured = high_water_mark_mib(call)
+        if measured is not None:
+            return measured[0], "vmhwm", measured[1]
     from ggnchunk import measure_peak_memory
 
     measured = measure_peak_memory(call, device=device)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.peak import high_water_mark_mib
 from experiments._digits import digits
 
 BACKENDS = ("ggnchunk", "backpack", "curvlinops")
@@ -44,14 +45,6 @@ def _model() -> nn.Module:
     )  # fmt: skip
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def fit_only(args) -> None:
     """Child process: one backend's kron fit; prints time, peak and the factors' file."""
     from laplace import Laplace
@@ -66,15 +59,18 @@ def fit_only(args) -> None:
     kwargs = {"max_memory": args.max_memory} if args.fit_only == "ggnchunk" else {}
     la = Laplace(_model(), "regression", subset_of_weights="all", hessian_structure="kron",
                  backend=cls[args.fit_only], backend_kwargs=kwargs)  # fmt: skip
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # reset VmHWM to the current RSS
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        la.fit(loader)
-    seconds = time.perf_counter() - start
-    peak = (_status("VmHWM") - before) / 2**20
+
+    def fit() -> float:
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            la.fit(loader)
+        return time.perf_counter() - start
+
+    measured = high_water_mark_mib(fit)
+    if measured is None:
+        raise RuntimeError("this experiment measures Linux's VmHWM (/proc/self/clear_refs)")
+    peak, seconds = measured
     path = args.out / f"kfacs_{args.fit_only}.pt"
     torch.save([[f.detach() for f in group] for group in la.H_facs.kfacs], path)
     print(json.dumps({"backend": args.fit_only, "seconds": seconds, "peak_mib": peak,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from math import inf
 
 import torch
 from torch import Tensor, nn
@@ -144,60 +145,53 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
-def _choose_columns(
-    run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
-    total: int, device: torch.device,
-) -> tuple[int, int]:  # fmt: skip
-    """Plan the contraction forms for the chunk size the budget allows.
+def _plan_for_budget(
+    run: GGNComputation, budget: int, level: int, total: int, device: torch.device
+) -> bool:
+    """Make the run's memory bounds for a budget; return whether it runs lean.
 
-    The bound made for all columns keeps the Gram form's factors of every layer where
-    that form wins for a chunk of all columns; under a budget that only fits small
-    chunks those factors would never be used, and reserving them makes the chunks
-    smaller still. Plan for the size the budget gives without them instead, where that
-    needs fewer passes.
+    Two choices, both by the passes budget mode would plan (:func:`passes_within`):
+
+    - The chunk size the contraction forms are planned for. The bound made for all
+      columns keeps the Gram form's factors of every layer where that form wins for a
+      chunk of all columns; under a budget that only fits small chunks those factors
+      would never be used, and reserving them makes the chunks smaller still. Plan for
+      the size the budget gives without them where that needs fewer passes.
+    - Lean (no per-forward caches) where that at least halves the passes, or where one
+      column of the full bound does not fit the planning target (a budget that the
+      caches nearly fill): the lean run's smaller bound is then the safer plan.
+
+    Args:
+        run: The computation, after its forward pass.
+        budget: The budget in bytes.
+        level: Bytes in use above the call's baseline (settled).
+        total: Columns to compute.
+        device: Where the work runs.
 
     Returns:
-        The cost to plan with (the run's bounds are made for it).
+        Whether the run is lean (its bounds are set for the plan either way).
     """
-    settled = getattr(tracker, "settled", tracker.current)
-    level = max(0, settled() - baseline)
-    passes = passes_within(budget, device, level, *cost, total)
-    if passes <= 1:
-        return cost
+
+    def passes(cost: tuple[int, int]) -> float:
+        return passes_within(budget, device, level, *cost, total)
+
+    full = (run.fixed_bytes(total), run.column_bytes())
     # the least any plan reserves: the Gram form only where it wins for one column
-    fewest = passes_within(budget, device, level, run.fixed_bytes(1), cost[1], total)
-    if fewest < passes:
-        small = (run.fixed_bytes(-(-total // fewest)), cost[1])
-        if passes_within(budget, device, level, *small, total) < passes:
-            return small
-    run.fixed_bytes(total)
-    return cost
-
-
-def _choose_lean(
-    run: GGNComputation, cost: tuple[int, int], budget: int, tracker, baseline: int,
-    total: int, device: torch.device,
-) -> tuple[int, int, bool]:  # fmt: skip
-    """Run lean (no per-forward caches) where that pays.
-
-    Lean where that at least halves the passes, or where one column of the full run's
-    bound does not fit the planning target (a budget that the caches nearly fill): the
-    lean run's smaller bound is then the safer plan.
-
-    Returns:
-        The cost to plan with and whether the run is lean.
-    """
-    settled = getattr(tracker, "settled", tracker.current)
-    level = max(0, settled() - baseline)
+    fewest = passes((run.fixed_bytes(1), full[1]))
+    small = (run.fixed_bytes(-(-total // fewest)), full[1]) if fewest < inf else full
+    if passes(full) > 1 and passes(small) < passes(full):
+        full = small
+    else:
+        run.fixed_bytes(total)
     run.set_lean(True)
     lean = (run.fixed_bytes(), run.column_bytes())  # the Gram form is chosen by memory
     target = planning_share(device) * budget
-    if 2 * passes_within(budget, device, level, *lean, total) <= passes_within(
-        budget, device, level, *cost, total
-    ) or (target < level + sum(cost) and sum(lean) < sum(cost)):
-        return (*lean, True)
+    if 2 * passes(lean) <= passes(full) or (
+        target < level + sum(full) and sum(lean) < sum(full)
+    ):
+        return True
     run.set_lean(False)
-    return (*cost, False)
+    return False
 
 
 def _compute(
@@ -249,15 +243,13 @@ def _compute(
             run.backward(first + a, first + b)
 
         if last > first:
-            # fixed_bytes() also makes every layer's bounds for all columns per chunk
-            cost = (run.fixed_bytes(), run.column_bytes())
             if local.max_memory is not None and tracker is not None:
-                budget = parse_memory(local.max_memory)
-                cost = _choose_columns(run, cost, budget, tracker, baseline,
-                                       last - first, problem.device)  # fmt: skip
-                cost = _choose_lean(run, cost, budget, tracker, baseline, last - first,
-                                    problem.device)  # fmt: skip
-                report.lean = report.lean or cost[2]
+                level = max(0, getattr(tracker, "settled", tracker.current)() - baseline)
+                lean = _plan_for_budget(run, parse_memory(local.max_memory), level,
+                                        last - first, problem.device)  # fmt: skip
+                report.lean = report.lean or lean
+            else:  # the bounds for chunks of up to all columns
+                run.fixed_bytes()
 
             def bound(run=run) -> tuple[int, int]:  # asked again after the first pass
                 return run.fixed_bytes(), run.column_bytes()

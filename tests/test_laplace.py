@@ -63,18 +63,23 @@ def test_equals_the_builtin_backpack_backend(likelihood, subset):
         assert torch.allclose(probs.sum(-1), torch.ones(x.shape[0]), atol=1e-5)
 
 
-def test_autoencoder_with_784_outputs_under_a_300mib_budget():
+def _autoencoder(hidden: int) -> tuple[nn.Module, DataLoader]:
+    """A 784-``hidden``-784 MLP autoencoder and 64 random images in batches of 32."""
     torch.manual_seed(0)
     x = torch.rand(64, 784)
     loader = DataLoader(TensorDataset(x, x), batch_size=32)
-    model = nn.Sequential(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 784))
+    return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 784)), loader
+
+
+def test_autoencoder_with_784_outputs_under_a_300mib_budget():
+    model, loader = _autoencoder(64)
     la = _fit(model, "regression", loader, ChunkedGGN, max_memory="300MiB")
     expected = ggnchunk.diag_ggn_dataset(model, nn.MSELoss(reduction="sum"), loader,
                                          progress=False)  # fmt: skip
     flat = torch.cat([v.flatten() for v in expected.values()])
     assert torch.allclose(la.H, 0.5 * flat, rtol=1e-5, atol=1e-8)
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
-    mean, _ = la(x[:4], pred_type="glm")
+    mean, _ = la(loader.dataset.tensors[0][:4], pred_type="glm")
     assert mean.shape == (4, 784)
 
 
@@ -227,16 +232,13 @@ def test_kron_cnn_equals_the_builtin_backpack_backend():
 
 
 def test_kron_autoencoder_784_outputs_under_a_budget():
-    torch.manual_seed(0)
-    x = torch.rand(64, 784)
-    loader = DataLoader(TensorDataset(x, x), batch_size=32)
-    model = nn.Sequential(nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 784))
+    model, loader = _autoencoder(32)
     la = _fit_kron(model, "regression", loader, ChunkedGGN, max_memory="64MiB")
     theirs = _fit_kron(copy.deepcopy(model), "regression", loader, BackPackGGN)
     for mine, other in zip(la.H_facs.kfacs, theirs.H_facs.kfacs, strict=True):
         for a, b in zip(mine, other, strict=True):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
-    mean, _ = la(x[:4], pred_type="glm")
+    mean, _ = la(loader.dataset.tensors[0][:4], pred_type="glm")
     assert mean.shape == (4, 784)
 
 

@@ -353,16 +353,24 @@ def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
 
 
 class _FakeRun:
-    """What ``_choose_lean`` asks of a computation: bounds with and without caches."""
+    """What ``_plan_for_budget`` asks of a computation: bounds with and without caches.
 
-    def __init__(self, full, lean):
+    With ``gram_from``, the full run's fixed part holds 30 MiB of Gram factors for
+    chunks of that many columns or more.
+    """
+
+    def __init__(self, full, lean, gram_from=None):
         self.costs, self.lean = {False: full, True: lean}, False
+        self.gram_from, self.columns = gram_from, None
 
     def set_lean(self, lean):
         self.lean = lean
 
-    def fixed_bytes(self):
-        return self.costs[self.lean][0]
+    def fixed_bytes(self, columns=None):
+        if columns is not None:
+            self.columns = columns
+        gram = not self.lean and self.gram_from and self.columns >= self.gram_from
+        return self.costs[self.lean][0] + (30 * MiB if gram else 0)
 
     def column_bytes(self):
         return self.costs[self.lean][1]
@@ -377,29 +385,12 @@ class _FakeRun:
      ((90 * MiB, MiB), (95 * MiB, MiB), False)],  # lean no smaller: keep the caches
 )  # fmt: skip
 def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(full, lean, expected):
-    from ggnchunk._api import _choose_lean
+    from ggnchunk._api import _plan_for_budget
 
     run = _FakeRun(full, lean)
-    tracker = SimulatedMemory()
-    tracker.level = 5 * MiB
-    cost = _choose_lean(run, full, 100 * MiB, tracker, 0, 100, torch.device("cpu"))
-    assert cost[2] is expected and run.lean is expected
-    assert cost[:2] == (lean if expected else full)
-
-
-class _GramRun:
-    """Bounds whose fixed part holds Gram factors for chunks of 100 columns or more."""
-
-    def __init__(self):
-        self.columns = None
-
-    def fixed_bytes(self, columns=None):
-        if columns is not None:
-            self.columns = columns
-        return MiB + (30 * MiB if self.columns >= 100 else 0)
-
-    def column_bytes(self):
-        return MiB // 2
+    chosen = _plan_for_budget(run, 100 * MiB, 5 * MiB, 100, torch.device("cpu"))
+    assert chosen is expected and run.lean is expected
+    assert (run.fixed_bytes(), run.column_bytes()) == (lean if expected else full)
 
 
 # 40 MiB: the all-columns bound (31 MiB fixed) leaves no room in the 28 MiB planning
@@ -408,14 +399,13 @@ class _GramRun:
 # pass of all 784 columns, planned as before.
 @pytest.mark.parametrize(("budget", "planned"), [(40 * MiB, 53), (10 * GiB, 784)])
 def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(budget, planned):
-    from ggnchunk._api import _choose_columns
+    from ggnchunk._api import _plan_for_budget
 
-    run, tracker = _GramRun(), SimulatedMemory()
-    run.fixed_bytes(784)
-    cost = (run.fixed_bytes(), run.column_bytes())
-    cost = _choose_columns(run, cost, budget, tracker, 0, 784, torch.device("cpu"))
+    run = _FakeRun((MiB, MiB // 2), (MiB, MiB // 2), gram_from=100)
+    lean = _plan_for_budget(run, budget, 0, 784, torch.device("cpu"))
+    assert not lean
     assert run.columns == planned  # the bounds were made for that chunk size
-    assert cost == (run.fixed_bytes(), run.column_bytes())
+    assert run.fixed_bytes() == MiB + (30 * MiB if planned >= 100 else 0)
 
 
 def _warner(module_name: str, path: str):
