@@ -10,7 +10,13 @@ from torch import Tensor, nn
 
 from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
-from ggnchunk._engine import GGNComputation, Problem, check_kron_parameters, model_lock
+from ggnchunk._engine import (
+    GGNComputation,
+    Problem,
+    check_kron_parameters,
+    full_float32,
+    model_lock,
+)
 from ggnchunk._kron import KronFactors, assemble
 from ggnchunk._memory import PeakTracker, parse_memory
 from ggnchunk._scheduler import (
@@ -540,9 +546,14 @@ def _evaluate(
     if scale is None:
         scale = 1.0 / normalizer
     # autocast would cast the sweeps' products too: everything runs in the parameters'
-    # dtype (float32 for a float32 model under autocast), as the README says
+    # dtype (float32 for a float32 model under autocast), as the README says; and float32
+    # in full float32 (TF32 convolutions, cuDNN's default, change results at 1e-3)
     sums = ({}, {}) if kron else None
-    with model_lock(model), torch.autocast(problem.device.type, enabled=False):
+    with (
+        model_lock(model),
+        torch.autocast(problem.device.type, enabled=False),
+        full_float32(),
+    ):
         total, loss, gradient, report = _compute(
             problem, batch, targets.detach(), options, scale, need_gradient, group,
             per_sample, sums,

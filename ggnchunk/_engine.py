@@ -17,8 +17,10 @@ forward pass is never run again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -36,7 +38,9 @@ from ggnchunk._sqrt_hessians import (
     lookup_loss,
 )
 
-__all__ = ["GGNComputation", "Problem", "check_kron_parameters", "model_lock"]
+__all__ = [
+    "GGNComputation", "Problem", "check_kron_parameters", "full_float32", "model_lock",
+]  # fmt: skip
 
 _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
@@ -56,6 +60,74 @@ def model_lock(model: nn.Module) -> threading.RLock:
         if lock is None:
             lock = _LOCKS[model] = threading.RLock()
         return lock
+
+
+# the reduced-precision float32 settings of torch >= 2.9 (one per backend and operator)
+_FP32_PRECISION = (
+    "cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn",
+)  # fmt: skip
+
+
+def _backend(path: str) -> object | None:
+    node: object | None = torch.backends
+    for part in path.split("."):
+        node = getattr(node, part, None)
+    return node if hasattr(node, "fp32_precision") else None
+
+
+_PRECISION_GUARD = threading.Lock()
+_PRECISION = {"users": 0, "saved": None}  # calls inside full_float32; what to restore
+
+
+def _switch_to_full_float32() -> object:
+    """Set full float32; return what restores the settings read before."""
+    nodes = [node for node in map(_backend, _FP32_PRECISION) if node is not None]
+    if nodes:  # torch >= 2.9: only the new API (torch refuses reads that mix the two)
+        saved = [(node, node.fp32_precision) for node in nodes]
+        for node in nodes:
+            node.fp32_precision = "ieee"
+        return saved
+    saved = [torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32]
+    torch.set_float32_matmul_precision("highest")  # also cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    return saved
+
+
+def _restore(saved: object) -> None:
+    if saved and isinstance(saved[0], tuple):
+        for node, value in saved:
+            node.fp32_precision = value
+    else:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """Float32 computed in full float32 (no TF32, no bf16) inside the block; restored.
+
+    cuDNN's default runs float32 convolutions in TF32 (10-bit mantissa) on Ampere and
+    later GPUs, and ``torch.set_float32_matmul_precision("high")`` does so for matmuls:
+    results change at the 1e-3 level. ggnchunk's call (forward pass included, so the
+    diagonal is that of the model computed in float32) runs with them switched off; the
+    user's settings are restored on exit, also after an exception or
+    ``KeyboardInterrupt``. Torch >= 2.9 keeps them per backend (``fp32_precision``),
+    older torch in the legacy flags: only the API the build has is used. The settings
+    are process-wide: concurrent calls (other models, other threads) share one switch,
+    made by the first and undone by the last.
+    """
+    with _PRECISION_GUARD:
+        if _PRECISION["users"] == 0:
+            _PRECISION["saved"] = _switch_to_full_float32()
+        _PRECISION["users"] += 1
+    try:
+        yield
+    finally:
+        with _PRECISION_GUARD:
+            _PRECISION["users"] -= 1
+            if _PRECISION["users"] == 0:
+                saved, _PRECISION["saved"] = _PRECISION["saved"], None
+                _restore(saved)
 
 
 def _display(name: str) -> str:
