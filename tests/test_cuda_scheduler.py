@@ -1,0 +1,91 @@
+"""The scheduler's CUDA-only logic, through a simulated allocator (runs on the CPU).
+
+On CUDA the allocator's statistics are exact, so budget mode starts from the engine's
+bound and grows the chunk size from measured peaks where that bound was conservative; on
+the CPU it never grows past the bound. The real allocator's figures are checked in
+test_cuda_memory.py (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ggnchunk import ChunkScheduler, MemoryBudgetWarning, OutOfMemoryRecoveryWarning
+from ggnchunk._scheduler import _SAFETY
+
+MiB = 2**20
+
+
+class SimulatedAllocator:
+    """Peak of a chunk = level + fixed + per_index * size, as ``max_memory_allocated``."""
+
+    def __init__(self, fixed=8 * MiB, per_index=MiB, limit=None):
+        self.fixed, self.per_index, self.limit = fixed, per_index, limit
+        self.level, self.size = 0, 0
+
+    def current(self):
+        return self.level
+
+    def measure(self, fn):
+        result = fn()
+        return result, self.level + self.fixed + self.per_index * self.size, 1e-3
+
+    def run(self, start, stop):
+        self.size = stop - start
+        if self.limit is not None and self.fixed + self.per_index * self.size > self.limit:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return torch.tensor(float(sum(range(start, stop))))
+
+
+@pytest.mark.parametrize("looseness", [2, 4, 16])
+def test_cuda_grows_from_measurements_where_the_bound_was_conservative(looseness):
+    sim = SimulatedAllocator()
+    budget = 200 * MiB
+    bound = (sim.fixed, looseness * sim.per_index)  # the engine's bound overstates
+    scheduler = ChunkScheduler(max_memory=budget, device="cuda", tracker=sim)
+    total, report = scheduler.run(5000, sim.run, baseline=0, cost=bound)
+    assert total.item() == sum(range(5000))
+    planned = int((_SAFETY["cuda"] * budget - sim.fixed) // bound[1])
+    fits = int((_SAFETY["cuda"] * budget - sim.fixed) // sim.per_index)
+    sizes = [c.stop - c.start for c in report.chunks]
+    assert sizes[1] == planned  # after the first index: the bound's plan
+    assert max(sizes) > planned, "no growth from the measured peaks"
+    assert report.chunk_size <= fits  # never past the target
+    assert report.chunk_size >= 0.9 * fits  # and close to it
+    assert all(c.peak_extra_bytes <= budget for c in report.chunks)
+    assert report.peak_extra_bytes <= _SAFETY["cuda"] * budget
+
+
+def test_cpu_never_grows_past_the_bound():
+    sim = SimulatedAllocator()
+    budget = 200 * MiB
+    bound = (sim.fixed, 4 * sim.per_index)
+    scheduler = ChunkScheduler(max_memory=budget, device="cpu", tracker=sim)
+    _, report = scheduler.run(5000, sim.run, baseline=0, cost=bound)
+    planned = int((_SAFETY["cpu"] * budget - sim.fixed) // bound[1])
+    assert max(c.stop - c.start for c in report.chunks) == planned
+
+
+def test_cuda_shrinks_where_the_bound_was_too_small():
+    """A bound below the truth (it never should be) warns once, then fits the budget."""
+    sim = SimulatedAllocator(per_index=4 * MiB)
+    budget = 200 * MiB
+    scheduler = ChunkScheduler(max_memory=budget, device="cuda", tracker=sim)
+    with pytest.warns(MemoryBudgetWarning, match="above the 200.0 MiB budget"):
+        total, report = scheduler.run(
+            2000, sim.run, baseline=0, cost=(sim.fixed, sim.per_index // 2)
+        )
+    assert total.item() == sum(range(2000))
+    assert report.chunks[-1].peak_extra_bytes <= budget
+    assert report.chunk_size * sim.per_index + sim.fixed <= budget
+
+
+def test_cuda_out_of_memory_recovery_names_the_working_chunk_size():
+    sim = SimulatedAllocator(limit=40 * MiB)  # more than 32 indices fail
+    with pytest.warns(OutOfMemoryRecoveryWarning) as record:
+        total, report = ChunkScheduler(num_chunks=3, device="cuda").run(300, sim.run)
+    assert total.item() == sum(range(300))
+    worked = max(c.stop - c.start for c in report.chunks)
+    assert worked <= 32
+    assert f"chunk_size={worked}" in str(record[0].message)
