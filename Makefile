@@ -31,9 +31,12 @@ readme: ## regenerate the README's supported-layers table from the code
 bench: ## run the benchmark suite (quick)
 	$(PY) -m benchmarks --quick
 
+gpu-check: ## on a CUDA machine: every CUDA test and a GPU benchmark, one report (< 8 min)
+	$(PY) -m tools.gpu_check
+
 ci: ## what CI runs: fresh venv, install, tests, lint
 	bash .ci/run
 
 clean: ## remove caches and results
 	rm -rf .pytest_cache .ruff_cache results build *.egg-info
-.PHONY: help venv demo test test-fast lint format readme bench ci clean
+.PHONY: help venv demo test test-fast lint format readme bench gpu-check ci clean
