@@ -95,11 +95,17 @@ def measure_peak_memory(
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        watch = (_cuda_index(device), [])  # peaks before ggnchunk's own resets
+        _WATCHERS.append(watch)
         start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        torch.cuda.synchronize(device)
+        try:
+            result = fn(*args, **kwargs)
+            torch.cuda.synchronize(device)
+        finally:
+            del _WATCHERS[next(i for i, w in enumerate(_WATCHERS) if w is watch)]
+        watched = watch[1]
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = max([torch.cuda.max_memory_allocated(device), *watched])
         return PeakMemory(
             max(0, peak - baseline),
             baseline,
@@ -181,6 +187,24 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
     return number
 
 
+# measure_peak_memory calls in progress on CUDA: (device, the peaks they were about to
+# lose to a PeakTracker's reset of the allocator's peak statistics)
+_WATCHERS: list[tuple[int, list[int]]] = []
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _reset_peak(device: torch.device) -> None:
+    """``reset_peak_memory_stats``, handing the peak so far to open measurements first."""
+    index = _cuda_index(device) if _WATCHERS else None
+    for watched_index, peaks in _WATCHERS:
+        if watched_index == index:
+            peaks.append(torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 _LIBC: Any = None
 
 
@@ -202,7 +226,9 @@ class PeakTracker:
     """Current and peak memory of one device, cheap enough to read around every chunk.
 
     * CUDA: ``memory_allocated`` and ``max_memory_allocated`` (``measure`` calls
-      ``reset_peak_memory_stats``, which also resets the peak a caller may be watching).
+      ``reset_peak_memory_stats``, which also resets the peak a caller may be watching
+      with ``torch.cuda.max_memory_allocated``; :func:`measure_peak_memory` is handed
+      the peak before each reset, so it sees the whole call's).
     * CPU: the resident set size, sampled by a thread every millisecond while a
       measurement is open. The kernel's own peak counter (``VmHWM``) is never reset, so
       a caller's measurement of the whole process stays intact.
@@ -263,7 +289,7 @@ class PeakTracker:
         """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            _reset_peak(self.device)
             start = time.perf_counter()
             result = fn()
             torch.cuda.synchronize(self.device)

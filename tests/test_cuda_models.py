@@ -72,7 +72,7 @@ def test_real_models_on_cuda_match_the_cpu_brute_force(case_id, chunking):
     inputs, targets = to(cpu.inputs, CUDA), cpu.targets.to(CUDA)
     torch.manual_seed(1234)
     actual = ggnchunk.diag_ggn(model, loss_func, inputs, targets, **CHUNKINGS[chunking])
-    assert all(v.device.type == "cuda" and v.dtype == torch.float64
+    assert all(v.device.type == CUDA.type and v.dtype == torch.float64
                for v in actual.values())  # fmt: skip
     if "random" in BY_ID[case_id].tags:  # the draws of the call, replayed on the CPU
         draws = to(recorded_draws(model), "cpu")
@@ -110,7 +110,7 @@ def test_kron_ggn_on_cuda_matches_the_cpu_brute_force():
         for name, (g, a) in expected.items():
             for what, value, exp in (("output", got[name].output, g),
                                      ("input", got[name].input, a)):  # fmt: skip
-                assert value.device.type == "cuda"
+                assert value.device.type == CUDA.type
                 err = (value.cpu().double() - exp).abs().max().item()
                 scale = max(exp.abs().max().item(), 1e-3 * overall)
                 assert err <= 1e-9 * scale, f"{options} {name}.{what}: {err:.3e}"
@@ -163,7 +163,7 @@ def test_laplace_backend_on_cuda_equals_the_cpu_backend():
         return la
 
     cpu, cuda = fit("cpu"), fit(CUDA)
-    assert cuda.H.device.type == "cuda"
+    assert cuda.H.device.type == CUDA.type
     scale = cpu.H.abs().max()
     assert (cuda.H.cpu() - cpu.H).abs().max() <= 1e-10 * scale
     assert torch.allclose(cuda.loss.cpu(), cpu.loss, rtol=1e-10)

@@ -89,3 +89,62 @@ def test_cuda_out_of_memory_recovery_names_the_working_chunk_size():
     worked = max(c.stop - c.start for c in report.chunks)
     assert worked <= 32
     assert f"chunk_size={worked}" in str(record[0].message)
+
+
+class FakeAllocator:
+    """The caching allocator's counters, as torch.cuda reports them."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def alloc(self, size):
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, size):
+        self.allocated -= size
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda *a, **k: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a, **k: self.peak)
+
+        def reset(*args, **kwargs):
+            self.peak = self.allocated
+
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_measure_peak_memory_sees_peaks_before_the_schedulers_own_resets(
+    monkeypatch, device
+):
+    """The whole call's peak, though the scheduler resets the allocator's around chunks.
+
+    measure_peak_memory gives the GPU benchmark's figures.
+    """
+    from ggnchunk import measure_peak_memory
+    from ggnchunk._memory import PeakTracker
+
+    fake = FakeAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(1000)  # in use before the call
+
+    def call():
+        fake.alloc(300)  # the forward pass and its transients
+        fake.free(200)
+        tracker = PeakTracker(torch.device("cuda:0"))
+        for _ in range(3):  # three chunks, each measured (and reset) by the scheduler
+            tracker.measure(lambda: (fake.alloc(50), fake.free(50)))
+        fake.free(100)
+
+    measured = measure_peak_memory(call, device=device)
+    assert measured.baseline_bytes == 1000
+    assert measured.peak_extra_bytes == 300
+    tracker = PeakTracker(torch.device("cuda:0"))  # no measurement open: still resets
+    fake.alloc(500)
+    fake.free(500)
+    tracker.measure(lambda: None)
+    assert fake.peak == 1000
