@@ -176,3 +176,30 @@ def build(name: str, device: str = "cpu", scale: int = 1, seed: int = 0) -> Prob
     torch.manual_seed(seed)
     model, loss_func, x, y = PROBLEMS[name](scale)
     return model.to(device).eval(), loss_func.to(device), x.to(device), y.to(device)
+
+
+# -- GPU rows (issue 20) ------------------------------------------------------------------
+# Larger batches for `python -m benchmarks --device cuda`: added to the default rows there
+# (GPU_PROBLEMS), runnable anywhere with --only. Their batch is fixed (``scale`` ignored):
+# they are the GPU sizes already.
+
+
+def tutorial_conv_ae_n64(scale: int = 1) -> Problem:
+    """BackPACK's tutorial conv autoencoder at a GPU batch: ``[64, 3, 32, 32]``, MSE."""
+    del scale
+    model, loss_func, _, _ = tutorial_conv_ae()
+    x = torch.rand(64, 3, 32, 32)
+    return model, loss_func, x, x
+
+
+def unet_64(scale: int = 1) -> Problem:
+    """Issue 13's U-Net (width 16) on ``[2, 3, 64, 64]`` (12,288 columns), MSE."""
+    del scale
+    x = torch.rand(2, 3, 64, 64)
+    return UNet(width=16), nn.MSELoss(), x, x
+
+
+PROBLEMS.update(tutorial_conv_ae_n64=tutorial_conv_ae_n64, unet_64=unet_64)
+GPU_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64")
+"""Rows added to :data:`DEFAULT_PROBLEMS` on CUDA."""
+CONV_AUTOENCODERS = CONV_AUTOENCODERS | {"tutorial_conv_ae_n64"}

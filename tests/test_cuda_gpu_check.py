@@ -182,3 +182,15 @@ def test_report_of_parts_not_run(tmp_path):
     md, js = gpu_check.write_report(tmp_path, {"device": "GPU"}, [], None, None)
     assert md.read_text().count("Not run.") == 2
     assert json.loads(js.read_text())["benchmark"] is None
+
+
+def test_gpu_benchmark_rows_exist_with_their_gpu_sizes():
+    from benchmarks.problems import GPU_PROBLEMS, PROBLEMS, build
+
+    assert set(gpu_check.BENCH_PROBLEMS) <= set(PROBLEMS)
+    assert set(GPU_PROBLEMS) <= set(PROBLEMS)
+    shapes = {"tutorial_conv_ae_n64": (64, 3, 32, 32), "unet_64": (2, 3, 64, 64)}
+    for name, shape in shapes.items():
+        model, _, x, y = build(name, scale=4)  # the batch is the GPU's already
+        assert tuple(x.shape) == shape
+        assert model(x).shape == y.shape
