@@ -34,7 +34,7 @@ MiB = 2**20
 # benchmark problems at GPU batch sizes: (name, scale, budget as a share of one pass)
 BUDGETED = [
     ("tutorial_conv_ae", 4, 0.2), ("conv_ae_28", 4, 0.2), ("conv_ae_28_outpad", 4, 0.2),
-    ("unet_32", 2, 0.3), ("resnet18", 4, 0.6),
+    ("unet_32", 1, 0.3), ("resnet18", 4, 0.6),
 ]  # fmt: skip
 FEW_COLUMNS = {"resnet18"}  # 10 columns: one column may not fit a small share
 
