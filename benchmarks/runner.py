@@ -278,12 +278,20 @@ def main() -> None:
     parser.add_argument("--peak", choices=["poll", "hwm"], default="poll")
     parser.add_argument("--trim", action="store_true")
     args = parser.parse_args()
+    # on CUDA every method runs in full float32 (TF32 off), as ggnchunk computes and as
+    # the matmul peak is measured: BackPACK would otherwise get cuDNN's TF32 convolutions
+    from ggnchunk._engine import full_float32
+
+    cuda = args.device.startswith("cuda")
     try:
-        record = run_here(
-            args.problem, args.method, json.loads(args.params), args.mode, args.device,
-            args.repeats, args.scale, args.save_diag, args.flops, not args.warm_only,
-            args.peak, args.trim,
-        )  # fmt: skip
+        with full_float32() if cuda else contextlib.nullcontext():
+            record = run_here(
+                args.problem, args.method, json.loads(args.params), args.mode,
+                args.device, args.repeats, args.scale, args.save_diag, args.flops,
+                not args.warm_only, args.peak, args.trim,
+            )  # fmt: skip
+        if cuda:
+            record["float32"] = "full (TF32 off)"
     except Exception as error:  # recorded as the configuration's result, not raised
         message = str(error).strip().splitlines()
         record = {
