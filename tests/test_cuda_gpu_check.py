@@ -194,3 +194,24 @@ def test_gpu_benchmark_rows_exist_with_their_gpu_sizes():
         model, _, x, y = build(name, scale=4)  # the batch is the GPU's already
         assert tuple(x.shape) == shape
         assert model(x).shape == y.shape
+
+
+def test_tests_run_file_by_file_within_the_budget(tmp_path, monkeypatch):
+    header = "import time\nimport pytest\npytestmark = pytest.mark.cuda\n"
+    files = {
+        "test_a.py": header + "def test_ok():\n    pass\ndef test_bad():\n    assert 0\n",
+        "test_b.py": header + "def test_slow():\n    time.sleep(120)\n",
+        "test_c.py": header + "def test_never():\n    pass\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    names = [str(tmp_path / name) for name in files]
+    monkeypatch.setattr(gpu_check, "cuda_test_files", lambda timeout: names)
+    parts: list[gpu_check.Part] = []
+    outcome = gpu_check.run_tests(tmp_path, 40.0, parts)
+    assert [p.name for p in parts] == [f"tests {names[0]}", f"tests {names[1]}"]
+    assert not parts[0].timed_out and parts[1].timed_out
+    assert outcome.counts["passed"] == 1 and outcome.counts["failed"] == 1
+    assert outcome.not_run == [names[2]]
+    md, _ = gpu_check.write_report(tmp_path / "r", {}, parts, outcome, None)
+    assert "Not run (time budget spent)" in md.read_text()

@@ -8,8 +8,10 @@ Usage::
 On a machine with a CUDA device and the project installed (``pip install -e '.[test]'``)
 it runs, each part in its own process group under its own time limit:
 
-1. the CUDA tests (``pytest -m cuda``: every test marked ``cuda``), with their outcome
-   counts and each failure's message;
+1. the CUDA tests (``pytest -m cuda``: every test marked ``cuda``), one pytest run per
+   file (the quick files first, :data:`TEST_ORDER`) within the tests' limit, with their
+   outcome counts and each failure's message; a file past the limit is killed and
+   reported, the files after it are listed as not run;
 2. a GPU benchmark (``python -m benchmarks --device cuda --quick --only ...``): BackPACK's
    one pass and ggnchunk's one pass, budget and auto modes on a small set of problems
    (:data:`BENCH_PROBLEMS`), with time and allocator peak as ratios to BackPACK's one
@@ -44,6 +46,9 @@ BENCH_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64", "resnet18")
 """The benchmark's rows here: the larger GPU batches (see benchmarks/problems.py)."""
 TESTS_TIMEOUT_S = 270.0
 BENCH_TIMEOUT_S = 150.0
+TEST_ORDER = ("test_cuda.py", "test_cuda_tf32.py", "test_cuda_memory.py",
+              "test_cuda_models.py")  # fmt: skip
+"""Files run first (the rest after them, by name): the quick ones before the table."""
 TAIL_CHARS = 4000
 
 
@@ -65,6 +70,7 @@ class TestOutcome:
 
     counts: dict[str, int] = field(default_factory=dict)
     failures: list[dict[str, str]] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # files left when time ran out
 
 
 # -- running the parts --------------------------------------------------------------------
@@ -172,6 +178,53 @@ def benchmark_rows(folder: Path) -> tuple[list[dict], dict]:
     order = {"backpack": 0, "one_pass": 1, "budget": 2, "auto": 3}
     rows.sort(key=lambda row: (row["problem"], order.get(row["role"], 9), row["label"]))
     return rows, env
+
+
+def cuda_test_files(timeout: float = 120.0) -> list[str]:
+    """The test files holding tests marked ``cuda`` (``pytest -m cuda --collect-only``)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q",
+         "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    files = [line.split("::")[0] for line in done.stdout.splitlines() if "::" in line]
+    order = {name: i for i, name in enumerate(TEST_ORDER)}
+    unique = list(dict.fromkeys(files))
+    return sorted(unique, key=lambda f: (order.get(Path(f).name, len(order)), f))
+
+
+def run_tests(out: Path, budget: float, parts: list[Part]) -> TestOutcome:
+    """Every CUDA test, one pytest run per file within the remaining ``budget`` seconds.
+
+    A file past the remaining time is killed and reported (its tests count as not
+    run); the files after it are reported as not run. Each run's parts are appended
+    to ``parts``.
+    """
+    start = time.perf_counter()
+    total = TestOutcome(counts={"passed": 0, "failed": 0, "errors": 0, "skipped": 0})
+    try:
+        files = cuda_test_files(min(120.0, budget))
+    except subprocess.TimeoutExpired:
+        files = []
+    total.counts["files"] = len(files)
+    for index, name in enumerate(files):
+        left = budget - (time.perf_counter() - start)
+        if left < 10:
+            total.not_run = files[index:]
+            break
+        junit = out / f"junit-{Path(name).stem}.xml"
+        junit.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q",
+                   "-p", "no:cacheprovider", f"--junitxml={junit}", name]  # fmt: skip
+        parts.append(run_part(f"tests {name}", command, left))
+        outcome = parse_junit(junit)
+        for key, value in outcome.counts.items():
+            total.counts[key] = total.counts.get(key, 0) + value
+        total.failures += outcome.failures
+        if parts[-1].timed_out:
+            total.not_run = files[index + 1 :]
+            break
+    return total
 
 
 # -- the environment ----------------------------------------------------------------------
@@ -294,12 +347,14 @@ def write_report(
         lines.append("Not run.")
     else:
         lines.append(", ".join(f"{v} {k}" for k, v in tests.counts.items()) + ".")
+        if tests.not_run:
+            lines.append(f"Not run (time budget spent): {', '.join(tests.not_run)}.")
         for failure in tests.failures:
             lines += ["", f"- `{failure['test']}`", "", "  ```",
                       *("  " + line for line in failure["message"].splitlines()[:20]),
                       "  ```"]  # fmt: skip
     for p in parts:
-        if p.timed_out or (p.returncode not in (0, None) and p.name != "tests"):
+        if p.timed_out or (p.returncode not in (0, None) and p.name == "benchmark"):
             state = "timed out" if p.timed_out else f"exit {p.returncode}"
             lines += ["", f"### End of the {p.name} output ({state})", "", "```",
                       p.tail[-2000:], "```"]  # fmt: skip
@@ -373,14 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parts: list[Part] = []
     tests = bench = bench_env = None
     if not args.skip_tests:
-        junit = out / "junit.xml"
-        junit.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q",
-                   "-p", "no:cacheprovider", f"--junitxml={junit}", "tests"]  # fmt: skip
-        parts.append(run_part("tests", command, args.tests_timeout))
-        tests = parse_junit(junit)
-        print(f"gpu_check: tests {tests.counts} in {parts[-1].seconds:.0f} s"
-              + (" (timed out)" if parts[-1].timed_out else ""), flush=True)  # fmt: skip
+        tests = run_tests(out, args.tests_timeout, parts)
+        print(f"gpu_check: tests {tests.counts}", flush=True)
     if not args.skip_bench:
         folder = out / "bench"
         per_process = max(30.0, args.bench_timeout / 3)
