@@ -148,3 +148,38 @@ def test_cuda_float32_matches_float64_at_float32_precision(user_settings):
         # TF32 (10-bit mantissa) would be off by ~1e-3; full float32 by ~1e-6
         assert_diag_close(actual, expected, rtol=1e-4, label=f"float32 cuda {kwargs}")
     assert precision_settings() == user_settings
+
+
+def test_legacy_flags_where_torch_has_no_per_backend_settings():
+    """Torch < 2.9: the legacy flags (run in a fresh process: torch refuses mixed reads)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, ggnchunk._engine as engine\n"
+        "engine._backend = lambda path: None\n"
+        "torch.set_float32_matmul_precision('medium')\n"
+        "torch.backends.cudnn.allow_tf32 = True\n"
+        "state = lambda: (torch.get_float32_matmul_precision(),\n"
+        "                 torch.backends.cuda.matmul.allow_tf32,\n"
+        "                 torch.backends.cudnn.allow_tf32)\n"
+        "inside = []\n"
+        "try:\n"
+        "    with engine.full_float32():\n"
+        "        inside.append(state())\n"
+        "        raise KeyboardInterrupt\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "print(repr([inside[0], state()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    import ast
+
+    inside, after = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert inside == ("highest", False, False)
+    assert after == ("medium", True, True)
