@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: tests {tests.counts}", flush=True)
     if not args.skip_bench:
         folder = out / "bench"
+        shutil.rmtree(folder, ignore_errors=True)  # no figures from an earlier run
         per_process = max(30.0, args.bench_timeout / 3)
         command = [sys.executable, "-m", "benchmarks", "--device", "cuda", "--quick",
                    "--out", str(folder), "--timeout", str(per_process),
