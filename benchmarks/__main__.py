@@ -7,20 +7,27 @@ measures BackPACK's ``DiagGGNExact`` in one pass, ggnchunk with a memory budget 
 that pass's measured extra memory (where BackPACK cannot run the problem: a fixed budget
 for the U-Net, 300 MiB as in issue 10, else 10% of ggnchunk's one pass),
 ggnchunk's auto mode within the same budget, and ggnchunk in one pass. Every
-configuration runs in fresh processes: one for the time (a warm-up call, then the median
-of ``--repeats`` warm calls; the floating-point operations are counted with
-``torch.utils.flop_counter`` on an untimed call), one for the peak memory (the first call,
-and a warm call after the freed heap went back to the OS; the kernel's own peak RSS above
-the level before the call, the allocator as users have it: no ``MALLOC_*`` variables), and
-in full runs one more for the same warm peak with glibc's mmap threshold pinned (the
-repeatable figure). ``--quick`` measures memory and then time in one process, 1 repeat.
+configuration runs in fresh processes: one for the time (the process's first call, as a
+script that calls once meets it: imports, model and data are ready before it, whatever the
+method sets up at its first call is inside; then the median of ``--repeats`` warm calls;
+the floating-point operations are counted with ``torch.utils.flop_counter`` on an extra,
+untimed call), one for the peak memory (the first call, and a warm call after the freed
+heap went back to the OS; the kernel's own peak RSS above the level before the call, the
+allocator as users have it: no ``MALLOC_*`` variables), and in full runs one more for the
+same warm peak with glibc's mmap threshold pinned (the repeatable figure). ``--quick``
+measures memory (the first call's time too) and then time in one process, 1 repeat, and
+leaves out :data:`benchmarks.problems.QUICK_SKIPPED` unless ``--only`` names them.
 
 A float32 matmul peak is measured in the same run with the same threads (before and after
 the configurations; the higher counts). Writes, per device and thread count,
 ``<out>/<device>-<threads>t/``: one JSON per problem × method, ``environment.json``,
-``table.md`` and PNGs (:mod:`benchmarks.plot`); a full run also writes the tables to
-``benchmarks/RESULTS.md`` (``python -m benchmarks.plot FOLDER ... --results-md PATH``
-redraws them from the JSON). A configuration that fails is a row with its error (an
+``table.md`` and PNGs (:mod:`benchmarks.plot`), and the tables of every folder to
+``<out>/RESULTS.md`` (``python -m benchmarks.plot FOLDER ... --results-md PATH`` redraws
+them from the JSON). ``<out>`` is a new ``results/benchmarks/run-<date>-<time>/`` at the
+repository root (git-ignored) unless ``--out`` names one; a folder that holds an earlier
+run's records is refused unless ``--overwrite`` or ``--resume`` says what to do with them.
+The committed results change only when asked: ``--out benchmarks/results`` (a full run of
+the default problems then also rewrites ``benchmarks/RESULTS.md``). A configuration that fails is a row with its error (an
 exception, or a process past ``--timeout`` seconds), never a failed run; ``--resume``
 measures again only what timed out or is missing. ``--extra`` adds the older comparisons
 (fixed chunk counts, budgets of 15/30/50%, the tutorial's slicing loop, ``DiagGGNMC``, a
@@ -42,7 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import plot
-from benchmarks.problems import DEFAULT_PROBLEMS, GPU_PROBLEMS, PROBLEMS
+from benchmarks.problems import DEFAULT_PROBLEMS, GPU_PROBLEMS, PROBLEMS, QUICK_SKIPPED
 from benchmarks.runner import run_isolated
 
 HERE = Path(__file__).resolve().parent
@@ -51,8 +58,13 @@ BUDGET_FRACTION = 0.10
 FIXED_BUDGET_MIB = {"unet_32": 300.0, "unet": 300.0, "unet_64": 2048.0}
 """Fixed budgets where BackPACK cannot run the problem (the U-Net's 300 MiB is issue 10's
 reference); other problems BackPACK cannot run get 10% of ggnchunk's one pass."""
-BACKPACK_PARAMS = {"resnet18": {"use_converter": True}}
+BACKPACK_PARAMS = {
+    "resnet18": {"use_converter": True},
+    "resnet18_frozen": {"use_converter": True},
+}
 """BackPACK options per problem: ResNet-18 needs its torch.fx converter (residuals)."""
+COMMITTED = HERE / "results"
+"""The committed results: written only when ``--out`` names this folder."""
 UNET_BASELINE_S = 26.0
 """Issue 10's U-Net time before the engine rewrite (4×3×32×32, width 16, 300 MiB)."""
 
@@ -186,7 +198,7 @@ class Bench:
         self.out = args.out / f"{args.device}-{name}"
         self.out.mkdir(parents=True, exist_ok=True)
         self.resumed_at = time.strftime("%Y-%m-%d %H:%M:%S %Z") if args.resume else None
-        if not args.resume:
+        if args.overwrite:  # asked for: the folder's earlier records go
             for stale in [*self.out.glob("*__*.json"), *self.out.glob("raw/*__*.pt")]:
                 stale.unlink()
         self.common = {
@@ -277,10 +289,14 @@ class Bench:
             "batch_size",
         ):
             record[key] = memory.get(key)
+        for key in ("cold_error", "cold_call_s"):
+            if key in memory:
+                record[key] = memory[key]
         for key in (
             "median_s",
             "times_s",
             "first_call_s",
+            "first_call_error",
             "flops",
             "chunk_size",
             "passes",
@@ -492,8 +508,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=Path,
-        default=HERE / "results",
-        help="results folder (default: benchmarks/results)",
+        default=None,
+        help="results folder, one subfolder per device and thread count (default: a new "
+        "results/benchmarks/run-<date>-<time>/ at the repository root, git-ignored; "
+        "the committed results change only with --out benchmarks/results)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the records an existing results folder holds (without it, a "
+        "folder that holds records of an earlier run is refused)",
     )
     parser.add_argument(
         "--pinned",
@@ -526,8 +550,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="PATH",
-        help="write the tables here (default: benchmarks/RESULTS.md for "
-        "a full run of the default problems, nowhere otherwise)",
+        help="write the tables here (default: <out>/RESULTS.md; with --out "
+        "benchmarks/results, benchmarks/RESULTS.md for a full run of the default "
+        "problems and nowhere otherwise)",
     )
     parser.add_argument(
         "--note",
@@ -544,6 +569,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def default_out(now: float | None = None) -> Path:
+    """A new run's folder: ``results/benchmarks/run-<date>-<time>/`` at the repository root.
+
+    Args:
+        now: Seconds since the epoch (default: now), for the folder's name (local time).
+
+    Returns:
+        The folder (not created); git ignores ``results/``.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return HERE.parent / "results" / "benchmarks" / f"run-{stamp}"
+
+
+def thread_folders(out: Path, device: str, threads: list[int]) -> list[Path]:
+    """The per-device, per-thread-count folders a run writes under ``out``."""
+    return [out / f"{device}-{'default' if t == 0 else f'{t}t'}" for t in threads]
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse to mix a new run into a folder holding an earlier run's records.
+
+    Raises:
+        SystemExit: A folder under ``args.out`` holds records and neither ``--resume``
+            nor ``--overwrite`` was given; the message names the folder and the fix.
+    """
+    if args.resume and args.overwrite:
+        raise SystemExit("--resume keeps a folder's records, --overwrite deletes them: "
+                         "pass one of them")  # fmt: skip
+    if args.resume or args.overwrite:
+        return
+    for folder in thread_folders(args.out, args.device, args.threads):
+        if any(folder.glob("*__*.json")):
+            committed = folder.resolve().parent == COMMITTED.resolve()
+            raise SystemExit(
+                f"{folder} holds the records of an earlier run"
+                + (" (the committed results)" if committed else "")
+                + ": leave out --out to write a new run to results/benchmarks/, or pass "
+                "--overwrite to replace them, or --resume to measure only what is missing"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark suite (see the module docstring)."""
     args = parse_args(argv)
@@ -552,12 +618,26 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [p for p in problems if p not in PROBLEMS]
     if unknown:
         raise SystemExit(f"unknown problem(s) {unknown}; choose from {list(PROBLEMS)}")
+    if args.quick and args.only is None:
+        problems = [p for p in problems if p not in QUICK_SKIPPED]
+        print(f"--quick leaves out {', '.join(sorted(QUICK_SKIPPED))} (run them with "
+              "--only)", flush=True)  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
+    committed_out = args.out is not None and args.out.resolve() == COMMITTED.resolve()
+    if args.out is None and args.resume:
+        raise SystemExit("--resume completes an earlier run: pass its folder with --out")
+    if args.out is None:
+        args.out = default_out()
+    check_out(args)
+    print(f"writing to {args.out}", flush=True)
     folders = [Bench(args, threads).run(problems) for threads in args.threads]
     results_md = args.results_md
-    if results_md is None and not args.quick and args.only is None:
-        results_md = HERE / "RESULTS.md"
+    if results_md is None:
+        if not committed_out:
+            results_md = args.out / "RESULTS.md"
+        elif not args.quick and args.only is None:
+            results_md = HERE / "RESULTS.md"
     if results_md is not None:
         if args.resume:  # the folders this run did not touch stay in the results
             others = sorted(args.out.glob(f"{args.device}-*/environment.json"))

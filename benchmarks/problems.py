@@ -171,6 +171,127 @@ CONV_AUTOENCODERS = frozenset({"tutorial_conv_ae", "conv_ae_28_outpad", "conv_ae
 """Problems held to issue 13's conv-autoencoder targets (≤ 0.6× time, ≥ 35% of peak)."""
 
 
+# -- issue 21's rows: frozen layers and attention ------------------------------------------
+# A partly frozen segmenter, a frozen-backbone ResNet with a trainable early block and a
+# small GPT-2-style language model. Registered here (after the default rows), so that other
+# blocks can append their own rows at the end of the file.
+
+
+class _OutOnly(nn.Module):
+    """Torchvision's segmentation models return ``{"out": logits}``: return the logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
+def lraspp_frozen(scale: int = 1) -> Problem:
+    """Torchvision's LRASPP MobileNetV3-Large, partly frozen, 3 classes, per-pixel CE.
+
+    ``lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)`` on
+    ``[2, 3, 64, 64]`` (3·4,096 columns per image). The backbone's blocks 0–13 and every
+    BatchNorm's affine parameters are frozen (eval mode: running statistics): the last
+    three blocks and the head train, with frozen BatchNorms between their layers.
+    """
+    import torchvision
+
+    net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3
+    )
+    for name, block in net.backbone.named_children():
+        if int(name) <= 13:
+            block.requires_grad_(False)
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.requires_grad_(False)
+    x = torch.randn(2 * scale, 3, 64, 64)
+    y = torch.randint(0, 3, (2 * scale, 64, 64))
+    return _OutOnly(net), nn.CrossEntropyLoss(), x, y
+
+
+def resnet18_frozen(scale: int = 1) -> Problem:
+    """ResNet-18 with a frozen backbone: only ``layer1`` and the 10-class head train.
+
+    Torchvision's ResNet-18 (``weights=None``, eval mode) on 8 images ``3×32×32``,
+    cross-entropy; ``conv1``/``bn1`` and ``layer2``–``layer4`` are frozen, so the columns
+    cross three frozen stages between the head and ``layer1``.
+    """
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    model.requires_grad_(False)
+    model.layer1.requires_grad_(True)
+    model.fc.requires_grad_(True)
+    x = torch.randn(8 * scale, 3, 32, 32)
+    y = torch.randint(0, 10, (8 * scale,))
+    return model, nn.CrossEntropyLoss(), x, y
+
+
+class _CausalBlock(nn.Module):
+    """Pre-LayerNorm block: causal ``scaled_dot_product_attention``, GELU MLP."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+        )
+
+    def forward(self, h):
+        n, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).split(d, dim=-1)
+        q, k, v = (a.reshape(n, t, self.heads, -1).transpose(1, 2) for a in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(att.transpose(1, 2).reshape(n, t, d))
+        return h + self.mlp(self.ln2(h))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2-style language model: token and learned position embeddings, causal blocks.
+
+    Returns logits ``[N, vocab, T]`` (classes on dimension 1, as ``nn.CrossEntropyLoss``
+    takes per-token targets ``[N, T]``).
+    """
+
+    def __init__(self, vocab: int = 1000, length: int = 32, dim: int = 64,
+                 layers: int = 2, heads: int = 4):  # fmt: skip
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(length, dim)
+        self.blocks = nn.Sequential(*(_CausalBlock(dim, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):  # noqa: D102
+        where = torch.arange(ids.shape[1], device=ids.device)
+        h = self.blocks(self.tokens(ids) + self.positions(where))
+        return self.head(self.ln(h)).transpose(1, 2)
+
+
+def tiny_gpt(scale: int = 1) -> Problem:
+    """:class:`TinyGPT` (vocabulary 1,000, 32 tokens, width 64, 2 blocks), per-token CE.
+
+    2 sequences of 32 token ids: 1,000 columns per token (64,000 in all).
+    """
+    ids = torch.randint(0, 1000, (2 * scale, 33))
+    return TinyGPT(), nn.CrossEntropyLoss(), ids[:, :-1], ids[:, 1:]
+
+
+PROBLEMS.update(
+    lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt
+)
+DEFAULT_PROBLEMS += ("lraspp_frozen", "resnet18_frozen", "tiny_gpt")
+QUICK_SKIPPED = frozenset({"lraspp_frozen", "tiny_gpt"})
+"""Default rows ``--quick`` leaves out (minutes each on a CPU); ``--only`` runs them."""
+
+
 def build(name: str, device: str = "cpu", scale: int = 1, seed: int = 0) -> Problem:
     """Build problem ``name`` on ``device`` from ``seed``."""
     torch.manual_seed(seed)

@@ -1,8 +1,10 @@
 """Run one configuration (problem × method × params × device) in this process.
 
 Used as a child process: ``python -m benchmarks.runner --problem P --method M --params
-JSON --mode time|memory|both --out FILE``. ``time`` does a warm-up call and then
-``repeats`` timed calls (median, ``cuda.synchronize`` on GPU). ``memory`` measures a cold
+JSON --mode time|memory|both --out FILE``. ``time`` times the process's first call
+(``first_call_s``: imports, model and data are ready before it; whatever the method sets up
+at its first call is inside) and then ``repeats`` warm calls (median,
+``cuda.synchronize`` on GPU). ``memory`` measures a cold
 first call (unless ``--warm-only``) and a warm call. ``both`` measures memory first, in
 the fresh process, and then times calls (no timed call runs beside a memory poller).
 
@@ -124,20 +126,28 @@ def run_here(
         _sync(device)
         return out
 
-    # The warm-up call counts floating-point operations (untimed), except in auto mode,
-    # whose warm-up call times candidate chunk sizes: there an extra call counts them.
-    tuning = params.get("chunk_size") == "auto"
-    count_now = flops and not tuning and not (mode in ("memory", "both") and cold)
+    # The first call of the process is measured as users meet it: everything before it
+    # (imports, building the model and data) is done, everything the call itself does
+    # (BackPACK's extend, ggnchunk's one-time set-up and planning) is inside. A memory run
+    # without ``cold`` warms up untimed and counts floating-point operations there;
+    # otherwise an extra, untimed call at the end counts them.
+    count_now = flops and mode == "memory" and not cold
     counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
     diag = None
     if mode in ("memory", "both"):
         if cold:
+            start = time.perf_counter()
             try:
                 record["cold_peak_mib"], _, first = peak_extra_mib(call, device, peak)
                 diag = _unpack(first, record)
             except MemoryError as error:  # MemoryBudgetError: the process's one-time
                 # set-up counts in a first call; the warm call is still measured
                 record["cold_error"] = f"{type(error).__name__}: {error}"
+            record["cold_call_s"] = time.perf_counter() - start
+            if mode == "both":  # the process's first call: its time is the first call's
+                record["first_call_s"] = record["cold_call_s"]
+                if "cold_error" in record:
+                    record["first_call_error"] = record["cold_error"]
         else:  # warm up without measuring, measure the warm call only
             with counter:
                 diag = _unpack(call(), record)
@@ -151,17 +161,14 @@ def run_here(
         )
         diag = _unpack(warm, record)
     if mode in ("time", "both"):
-        if mode == "time":  # a fresh process: warm up first
+        if mode == "time":  # a fresh process: its first call, timed as is
             start = time.perf_counter()
             try:
-                with counter:
-                    diag = _unpack(call(), record)
+                diag = _unpack(call(), record)
             except MemoryError as error:  # as in memory mode: the first call pays the
                 # process's one-time set-up; the warm calls are still timed
                 record["first_call_error"] = f"{type(error).__name__}: {error}"
             record["first_call_s"] = time.perf_counter() - start
-            if count_now:
-                record["flops"] = counter.get_total_flops()
         times = []
         for _ in range(repeats):  # no memory poller runs now
             start = time.perf_counter()
