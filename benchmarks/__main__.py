@@ -27,9 +27,10 @@ them from the JSON). ``<out>`` is a new ``results/benchmarks/run-<date>-<time>/`
 repository root (git-ignored) unless ``--out`` names one; a folder that holds an earlier
 run's records is refused unless ``--overwrite`` or ``--resume`` says what to do with them.
 The committed results change only when asked: ``--out benchmarks/results`` (a full run of
-the default problems then also rewrites ``benchmarks/RESULTS.md``). A configuration that fails is a row with its error (an
-exception, or a process past ``--timeout`` seconds), never a failed run; ``--resume``
-measures again only what timed out or is missing. ``--extra`` adds the older comparisons
+the default problems then also rewrites ``benchmarks/RESULTS.md``). A configuration
+that fails is a row with its error (an exception, or a process past ``--timeout``
+seconds), never a failed run; ``--resume`` measures again only what timed out or is
+missing. ``--extra`` adds the older comparisons
 (fixed chunk counts, budgets of 15/30/50%, the tutorial's slicing loop, ``DiagGGNMC``, a
 ``torch.func`` brute force).
 """
