@@ -298,6 +298,7 @@ class Bench:
             "times_s",
             "first_call_s",
             "first_call_error",
+            "first_call_plain",
             "flops",
             "chunk_size",
             "passes",

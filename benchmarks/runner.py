@@ -146,6 +146,7 @@ def run_here(
             record["cold_call_s"] = time.perf_counter() - start
             if mode == "both":  # the process's first call: its time is the first call's
                 record["first_call_s"] = record["cold_call_s"]
+                record["first_call_plain"] = True
                 if "cold_error" in record:
                     record["first_call_error"] = record["cold_error"]
         else:  # warm up without measuring, measure the warm call only
@@ -169,6 +170,7 @@ def run_here(
                 # process's one-time set-up; the warm calls are still timed
                 record["first_call_error"] = f"{type(error).__name__}: {error}"
             record["first_call_s"] = time.perf_counter() - start
+            record["first_call_plain"] = True  # no FLOP counter around it
         times = []
         for _ in range(repeats):  # no memory poller runs now
             start = time.perf_counter()
