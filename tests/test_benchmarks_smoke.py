@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -69,3 +70,185 @@ def test_quick_benchmark_end_to_end(tmp_path):
         assert text in table
     assert "auto ≤ 1.05× budget-mode time" in table
     assert "thread(s)" in results_md.read_text()
+
+
+# -- where a run writes (issue 21: a quick run deleted the committed results) --------------
+
+COMMITTED = ROOT / "benchmarks" / "results"
+
+
+class _FakeBench:
+    """Stands in for :class:`benchmarks.__main__.Bench`: records where it would write."""
+
+    seen: ClassVar[list[Path]] = []
+
+    def __init__(self, args, threads):
+        self.out = args.out / f"{args.device}-{threads}t"
+        _FakeBench.seen.append(args.out)
+
+    def run(self, problems):
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self.out
+
+
+def test_default_out_is_a_new_git_ignored_folder_outside_the_committed_results():
+    from benchmarks.__main__ import default_out
+
+    first, later = default_out(1_700_000_000.0), default_out(1_700_000_001.0)
+    assert first != later and first.name.startswith("run-")
+    assert first.parent == ROOT / "results" / "benchmarks"
+    assert COMMITTED not in first.parents
+    done = subprocess.run(
+        ["git", "check-ignore", "-q", str(first / "cpu-1t" / "x__y.json")],
+        cwd=ROOT, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0  # ignored by git
+
+
+def test_a_run_without_out_writes_to_the_default_folder(tmp_path, monkeypatch):
+    import benchmarks.__main__ as bench
+
+    monkeypatch.setattr(bench, "Bench", _FakeBench)
+    monkeypatch.setattr(bench, "default_out", lambda: tmp_path / "run-new")
+    monkeypatch.setattr(bench.plot, "results_markdown", lambda folders: "tables")
+    _FakeBench.seen = []
+    bench.main(["--quick", "--only", "tiny_mlp_ae"])
+    assert _FakeBench.seen == [tmp_path / "run-new"]
+    assert (tmp_path / "run-new" / "RESULTS.md").read_text() == "tables"
+
+
+def test_a_folder_with_an_earlier_runs_records_is_refused_and_kept(tmp_path, monkeypatch):
+    import benchmarks.__main__ as bench
+
+    folder = tmp_path / "cpu-1t"
+    folder.mkdir()
+    record = folder / "mlp_ae__ggnchunk_budget.json"
+    record.write_text('{"kept": true}')
+    monkeypatch.setattr(bench.Bench, "run", lambda self, problems: self.out)
+    monkeypatch.setattr(bench.plot, "results_markdown", lambda folders: "")
+    with pytest.raises(SystemExit, match="earlier run.*--overwrite.*--resume"):
+        bench.main(["--quick", "--only", "tiny_mlp_ae", "--out", str(tmp_path)])
+    assert record.read_text() == '{"kept": true}'
+    bench.main(["--quick", "--only", "tiny_mlp_ae", "--out", str(tmp_path),
+                "--overwrite", "--results-md", str(tmp_path / "R.md")])  # fmt: skip
+    assert not record.exists()  # asked for
+
+
+def test_the_committed_results_are_refused_without_overwrite(monkeypatch):
+    import benchmarks.__main__ as bench
+
+    assert any((COMMITTED / "cpu-1t").glob("*__*.json"))
+    monkeypatch.setattr(bench, "Bench", _FakeBench)
+    _FakeBench.seen = []
+    with pytest.raises(SystemExit, match="committed results"):
+        bench.main(["--quick", "--only", "mlp_ae", "--out", str(COMMITTED)])
+    assert _FakeBench.seen == []  # refused before anything ran
+
+
+def test_resume_needs_the_folder_of_the_run_it_completes():
+    import benchmarks.__main__ as bench
+
+    with pytest.raises(SystemExit, match="--resume.*--out"):
+        bench.main(["--quick", "--only", "tiny_mlp_ae", "--resume"])
+
+
+def test_quick_leaves_out_the_slow_rows_unless_named(tmp_path, monkeypatch):
+    import benchmarks.__main__ as bench
+    from benchmarks.problems import DEFAULT_PROBLEMS, QUICK_SKIPPED
+
+    ran = []
+    monkeypatch.setattr(bench.Bench, "run", lambda self, problems: ran.append(problems))
+    monkeypatch.setattr(bench.plot, "results_markdown", lambda folders: "")
+    bench.main(["--quick", "--out", str(tmp_path / "a")])
+    assert ran[-1] == [p for p in DEFAULT_PROBLEMS if p not in QUICK_SKIPPED]
+    assert set(DEFAULT_PROBLEMS) >= QUICK_SKIPPED
+    bench.main(["--quick", "--only", *QUICK_SKIPPED, "--out", str(tmp_path / "b")])
+    assert set(ran[-1]) == QUICK_SKIPPED
+
+
+# -- issue 21's targets: the first call in a fresh process ---------------------------------
+
+
+def _record(role, **fields):
+    return {"problem": "p", "label": role, "role": role, **fields}
+
+
+def _targets(records):
+    from benchmarks import plot
+
+    return {g["target"]: g for g in plot.targets({}, {"p": records})}
+
+
+@pytest.mark.parametrize(
+    ("first_s", "met"), [(1.19, True), (0.81, True), (1.25, False), (0.75, False)]
+)
+def test_first_call_target_is_within_20_percent_of_the_warm_time(first_s, met):
+    budget = {"mib": 100.0}
+    rows = _targets([
+        _record("budget", median_s=1.0, first_call_s=first_s, first_call_plain=True,
+                peak_mib=60.0, cold_peak_mib=90.0, budget=budget),
+    ])  # fmt: skip
+    assert rows["budget: first call within ±20% of a warm call's time"]["met"] is met
+    assert rows["budget: peak 50%–100% of the budget (first call, warm call)"]["met"]
+
+
+@pytest.mark.parametrize(
+    ("cold", "warm", "met"),
+    [(50.0, 100.0, True), (49.0, 80.0, False), (80.0, 101.0, False), (101.0, 60.0, False)],
+)
+def test_budget_use_target_checks_the_first_and_the_warm_peak(cold, warm, met):
+    rows = _targets([
+        _record("auto", median_s=1.0, first_call_s=1.0, first_call_plain=True,
+                peak_mib=warm, cold_peak_mib=cold, budget={"mib": 100.0}),
+    ])  # fmt: skip
+    assert rows["auto: peak 50%–100% of the budget (first call, warm call)"]["met"] is met
+
+
+def test_a_refused_first_call_misses_both_targets_and_old_records_are_not_applicable():
+    budget = {"mib": 10.0}
+    error = "MemoryBudgetError: 22.5 / 11.2 MiB already in use"
+    rows = _targets([
+        _record("budget", median_s=1.0, first_call_s=0.1, first_call_plain=True,
+                first_call_error=error, cold_error=error, peak_mib=6.0, budget=budget),
+        _record("one_pass", median_s=1.0, first_call_s=5.0, peak_mib=6.0),  # old run
+    ])  # fmt: skip
+    first = rows["budget: first call within ±20% of a warm call's time"]
+    assert first["met"] is False and "MemoryBudgetError" in first["measured"]
+    use = rows["budget: peak 50%–100% of the budget (first call, warm call)"]
+    assert use["met"] is False and "MemoryBudgetError" in use["measured"]
+    assert rows["one pass: first call within ±20% of a warm call's time"]["met"] is None
+
+
+# -- issue 21's problems ------------------------------------------------------------------
+
+
+def test_issue_21_problems_train_what_they_say():
+    import torch
+    from torch import nn
+
+    from benchmarks.problems import build
+
+    model, loss_func, x, y = build("resnet18_frozen")
+    trainable = {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"layer1", "fc"} and not model.training
+    assert loss_func(model(x), y).ndim == 0
+
+    model, loss_func, x, y = build("lraspp_frozen")
+    backbone = model.model.backbone
+    frozen = {n for n, b in backbone.named_children()
+              if not any(p.requires_grad for p in b.parameters())}  # fmt: skip
+    assert frozen == {str(i) for i in range(14)}
+    assert all(not p.requires_grad for m in model.modules()
+               if isinstance(m, nn.BatchNorm2d) for p in m.parameters())  # fmt: skip
+    assert any(p.requires_grad for p in model.model.classifier.parameters())
+    out = model(x)
+    assert out.shape == (2, 3, 64, 64) and loss_func(out, y).ndim == 0
+
+    model, loss_func, ids, targets = build("tiny_gpt")
+    out = model(ids)
+    assert out.shape == (2, 1000, 32) and targets.shape == (2, 32)
+    # causal: a later token does not change an earlier position's logits
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 1000
+    with torch.no_grad():
+        assert torch.equal(model(changed)[..., :-1], model(ids)[..., :-1])
