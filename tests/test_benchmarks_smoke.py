@@ -145,9 +145,10 @@ def test_the_committed_results_are_refused_without_overwrite(monkeypatch):
     assert _FakeBench.seen == []  # refused before anything ran
 
 
-def test_resume_needs_the_folder_of_the_run_it_completes():
+def test_resume_needs_the_folder_of_the_run_it_completes(monkeypatch):
     import benchmarks.__main__ as bench
 
+    monkeypatch.setattr(bench, "Bench", _FakeBench)
     with pytest.raises(SystemExit, match="--resume.*--out"):
         bench.main(["--quick", "--only", "tiny_mlp_ae", "--resume"])
 
