@@ -62,8 +62,11 @@ reference); other problems BackPACK cannot run get 10% of ggnchunk's one pass.""
 BACKPACK_PARAMS = {
     "resnet18": {"use_converter": True},
     "resnet18_frozen": {"use_converter": True},
+    "lraspp_frozen": {"use_converter": True},
+    "tiny_gpt": {"use_converter": True},
 }
-"""BackPACK options per problem: ResNet-18 needs its torch.fx converter (residuals)."""
+"""BackPACK options per problem: ResNet-18 needs its torch.fx converter (residuals, in-place
+ReLUs); the segmenter and the language model get it too (their best chance)."""
 COMMITTED = HERE / "results"
 """The committed results: written only when ``--out`` names this folder."""
 UNET_BASELINE_S = 26.0
