@@ -656,9 +656,14 @@ def _line(r: dict) -> str:
     if "error" in r:
         return f"{head} failed: {r['error'][:100]}"
     flops = f"{r['flops'] / r['median_s'] / 1e9:6.2f} GFLOP/s" if r.get("flops") else ""
+    first = (
+        f" first call {r['first_call_s']:.3f} s"
+        if r.get("first_call_plain") and "first_call_error" not in r
+        else ""
+    )
     return (
         f"{head} {r['peak_mib']:9.1f} MiB {r['median_s']:8.3f} s {flops} "
-        f"passes {r.get('passes') or 1} diff {r.get('rel_diff', float('nan')):.1e}"
+        f"passes {r.get('passes') or 1} diff {r.get('rel_diff', float('nan')):.1e}{first}"
     )
 
 
