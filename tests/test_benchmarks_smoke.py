@@ -61,6 +61,8 @@ def test_quick_benchmark_end_to_end(tmp_path):
         assert "error" not in record, (role, record["error"])
         assert record["median_s"] > 0 and record["peak_mib"] is not None
         assert record["threads"] == 1 and record["flops"] > 0
+        assert record["first_call_plain"] and record["first_call_s"] > 0
+        assert record["cold_peak_mib"] is not None
         if role != "backpack":  # equal to BackPACK's one pass
             assert record["rel_diff"] < 1e-5, (role, record["rel_diff"])
     assert records["budget"]["budget"]["mib"] == 64
@@ -69,6 +71,9 @@ def test_quick_benchmark_end_to_end(tmp_path):
     for text in ("ggnchunk budget", "ggnchunk auto", "% of matmul peak", "targets"):
         assert text in table
     assert "auto ≤ 1.05× budget-mode time" in table
+    assert "First call in a fresh process against warm calls" in table
+    assert "budget: first call within ±20% of a warm call's time" in table
+    assert "auto: peak 50%–100% of the budget (first call, warm call)" in table
     assert "thread(s)" in results_md.read_text()
 
 
