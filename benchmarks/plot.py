@@ -30,7 +30,7 @@ TITLES = {
     "unet": "U-Net 2×3×16×16, width 8",
     "tiny_mlp_ae": "tiny MLP AE 32-16-32, N=8",
     "lraspp_frozen": "LRASPP MobileNetV3, partly frozen, 2×3×64×64, 3 classes",
-    "resnet18_frozen": "ResNet-18, frozen but layer1 and head, 8×3×32×32",
+    "resnet18_frozen": "ResNet-18 frozen but layer1 and head, 8×3×32×32, 100 classes",
     "tiny_gpt": "GPT-style LM, 2 blocks, vocabulary 1,000, 2×32 tokens",
 }
 MEMORY_TARGET = 0.10  # ≤ 10% of BackPACK one pass's extra memory ...

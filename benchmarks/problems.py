@@ -213,20 +213,21 @@ def lraspp_frozen(scale: int = 1) -> Problem:
 
 
 def resnet18_frozen(scale: int = 1) -> Problem:
-    """ResNet-18 with a frozen backbone: only ``layer1`` and the 10-class head train.
+    """ResNet-18 with a frozen backbone: only ``layer1`` and the 100-class head train.
 
     Torchvision's ResNet-18 (``weights=None``, eval mode) on 8 images ``3×32×32``,
-    cross-entropy; ``conv1``/``bn1`` and ``layer2``–``layer4`` are frozen, so the columns
-    cross three frozen stages between the head and ``layer1``.
+    cross-entropy (800 columns: with 10 classes, 10% of BackPACK's one pass is less than
+    one column needs); ``conv1``/``bn1`` and ``layer2``–``layer4`` are frozen, so the
+    columns cross three frozen stages between the head and ``layer1``.
     """
     import torchvision
 
-    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    model = torchvision.models.resnet18(weights=None, num_classes=100)
     model.requires_grad_(False)
     model.layer1.requires_grad_(True)
     model.fc.requires_grad_(True)
     x = torch.randn(8 * scale, 3, 32, 32)
-    y = torch.randint(0, 10, (8 * scale,))
+    y = torch.randint(0, 100, (8 * scale,))
     return model, nn.CrossEntropyLoss(), x, y
 
 
