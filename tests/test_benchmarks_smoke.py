@@ -258,3 +258,33 @@ def test_issue_21_problems_train_what_they_say():
     changed[:, -1] = (changed[:, -1] + 1) % 1000
     with torch.no_grad():
         assert torch.equal(model(changed)[..., :-1], model(ids)[..., :-1])
+
+
+# -- the first call, as users meet it (issue 21) -----------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["time", "both"])
+def test_the_first_call_is_timed_with_its_set_up_and_no_flop_counter(mode, monkeypatch):
+    import time
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from benchmarks import runner
+    from benchmarks.methods import ggnchunk_method
+
+    calls = []
+
+    def lazy(model, loss_func, inputs, targets):
+        """Sets itself up at its first call (as BackPACK's extend does)."""
+        calls.append(len(_get_current_dispatch_mode_stack()))
+        if len(calls) == 1:
+            time.sleep(0.5)
+        return ggnchunk_method(model, loss_func, inputs, targets, num_chunks=1)
+
+    monkeypatch.setitem(runner.METHODS, "lazy", lazy)
+    record = runner.run_here("tiny_mlp_ae", "lazy", {}, mode, repeats=2, flops=True,
+                             peak="hwm")  # fmt: skip
+    assert calls[0] == 0  # no FLOP counter (a dispatch mode) around the first call
+    assert record["first_call_plain"] and record["first_call_s"] >= 0.5
+    assert max(record["times_s"]) < 0.5 <= record["first_call_s"]
+    assert record["flops"] > 0 and calls[-1] == 1  # counted on an extra call
