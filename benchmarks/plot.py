@@ -3,7 +3,8 @@
 Reads the per-configuration JSON files and ``environment.json`` of one results folder,
 writes ``table.md`` (every problem × method: time, peak memory, their ratios to BackPACK's
 one pass, the budget, passes, FLOP/s as a share of the matmul peak measured in the same
-run, and issue 13's targets, met or not, computed from those numbers) and, with
+run, the first call in a fresh process against warm calls, and issues 13's and 21's
+targets, met or not, computed from those numbers) and, with
 matplotlib, ``summary.png`` (ratios and FLOP/s share per problem, with the targets) and
 ``<problem>.png`` (peak memory and time against the number of backward passes).
 """
@@ -669,8 +670,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.plot",
         description="Draw the benchmark results of results folders: write table.md "
         "(every problem x method: time, peak memory, ratios to BackPACK's one pass, "
-        "budget, passes, FLOP/s and issue 13's targets, met or not) and, with "
-        "matplotlib, summary.png and one <problem>.png per problem, in each folder.",
+        "budget, passes, FLOP/s, first call vs warm calls and issues 13's and 21's "
+        "targets) and, with matplotlib, summary.png and one <problem>.png per problem, "
+        "in each folder.",
     )
     parser.add_argument(
         "folders",
