@@ -379,7 +379,7 @@ def diag_ggn(
             pass.
         MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 4))
@@ -456,7 +456,7 @@ def kron_ggn(
             :func:`diag_ggn` refuses.
         MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
@@ -505,7 +505,7 @@ def loss_grad_and_diag_ggn(
         ``(loss, gradient, diagonal)``: the detached scalar loss; gradient and diagonal
         keyed and ordered as ``model.named_parameters()`` (trainable ones).
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> model = torch.nn.Linear(3, 2)
         >>> X, y = torch.randn(8, 3), torch.randn(8, 2)

@@ -1,11 +1,14 @@
-"""Every use of autograd's graph API and of private torch, in one place.
+"""Helpers for autograd's graph API: gradient edges, node walks, batched backward.
 
 The engine works on the autograd graph that the user's forward pass recorded: it names
 tensors by their :class:`~torch.autograd.graph.GradientEdge` (so that an in-place
 operation on a layer's output after the layer ran does not change which gradient is
 meant), walks ``Node.next_functions`` to find where the glue between layers ends and
 which parameters it uses, and backpropagates batches of vectors with
-``torch.autograd.grad(..., is_grads_batched=True)``.
+``torch.autograd.grad(..., is_grads_batched=True)``. Not the only module that reads the
+graph: :mod:`ggnchunk._graph` walks ``next_functions`` itself, and the pooling and
+upsampling rules in :mod:`ggnchunk._rules` read their nodes' private ``_saved_*``
+attributes.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class DiagGGNAccumulator:
             ``chunk_size``, ``max_memory``, ``batch_chunk_size``, ``recover_oom``),
             used for every batch.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> model = torch.nn.Linear(3, 2)
         >>> acc = ggnchunk.DiagGGNAccumulator(model, torch.nn.MSELoss(), num_chunks=2)
@@ -407,7 +407,7 @@ def diag_ggn_dataset(
         TypeError: If a batch is neither an ``(inputs, targets)`` pair nor a dict.
         KeyError: If a dict batch lacks ``dict_key_x`` or ``dict_key_y``.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> class Net(torch.nn.Module):  # a model that takes a dict batch whole
         ...     def __init__(self):

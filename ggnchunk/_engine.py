@@ -11,8 +11,8 @@ Each backward sweep seeds columns ``start:stop`` of the loss Hessian's square ro
 :mod:`ggnchunk._sqrt_hessians`) and adds each parameter's share to :attr:`diagonal` in
 place (no second parameter-sized accumulator per chunk); a sweep that fails (out of
 memory) remembers which parameters it finished, so its range can be retried in smaller
-pieces that leave those alone. The graph is kept until the ``with`` block ends: the
-forward pass is never run again.
+pieces that leave those alone. The graph is kept until :meth:`GGNComputation.close`
+frees it, after the last pass: the forward pass is never run again.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def measure_peak_memory(
         ValueError: For a device that is neither CPU nor CUDA, or an interval that is not
             positive.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from ggnchunk import measure_peak_memory
         >>> m = measure_peak_memory(lambda: torch.ones(2**22).sum())
@@ -157,7 +157,7 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
         TypeError: For other types.
         ValueError: For unknown units or values that are not positive.
 
-    Example:
+    Examples:
         >>> parse_memory("1.5GiB"), parse_memory("512MB"), parse_memory(1024)
         (1610612736, 512000000, 1024)
     """

@@ -67,7 +67,7 @@ def plan_chunks(
         TypeError: If ``total``, ``num_chunks`` or ``chunk_size`` is not an int.
         ValueError: If one of them is not positive, or both options are given.
 
-    Example:
+    Examples:
         >>> plan_chunks(10, num_chunks=3)
         [(0, 4), (4, 7), (7, 10)]
         >>> plan_chunks(10, chunk_size=4)
@@ -102,8 +102,8 @@ def plan_chunks(
 
 # Aim below the budget. On CUDA the allocator's statistics are exact; on the CPU the
 # resident set size also holds what glibc keeps of freed blocks (fragmentation), which
-# grows with allocation history: measured up to 1.25x the live bytes on a first call.
-_SAFETY = {"cuda": 0.92, "cpu": 0.7}  # CPU: glibc keeps freed blocks (measured up to 1.5x)
+# grows with allocation history: a first large pass measured up to 1.5x its live sizes.
+_SAFETY = {"cuda": 0.92, "cpu": 0.7}
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
 _MIN_GAIN = 0.25  # a smaller trial size must be this much faster per index to be chosen
@@ -287,7 +287,7 @@ class ChunkScheduler:
             :class:`~ggnchunk._memory.PeakTracker` of ``device``. Tests pass a simulated
             one.
 
-    Example:
+    Examples:
         Squared norms of per-sample gradients, summed over a large batch in chunks that
         fit 64 MiB, a computation that has nothing to do with the GGN:
 

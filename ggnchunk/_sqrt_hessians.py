@@ -4,7 +4,7 @@ For a loss ``L(f) = sum_n l_n(f_n)`` over model outputs ``f_n`` the GGN diagonal
 ``diag(G) = sum_n sum_v (J_n^T S_n[:, v])**2`` where ``S_n S_n^T = d^2 l_n / d f_n^2``.
 Any partition of the column index ``v`` therefore splits the computation exactly. This
 module knows, for each supported loss class, how many columns ``S`` has and how to build
-any contiguous range of them, in the layout BackPACK backpropagates:
+any contiguous range of them, in the layout the sweep backpropagates (BackPACK's):
 ``[num_columns_in_range, N, *output_shape]``.
 
 A new loss is one new :class:`LossSqrtHessian` subclass registered in ``LOSSES``.

@@ -29,7 +29,7 @@ class GaussianNLL(nn.Module):
         reduction: ``"mean"`` (over every target element) or ``"sum"``.
         eps: Lower clamp of the variance, as in ``nn.GaussianNLLLoss``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> out, t = torch.randn(4, 2, 3), torch.randn(4, 3)
         >>> torch_loss = torch.nn.GaussianNLLLoss()(out[:, 0], t, out[:, 1].exp())

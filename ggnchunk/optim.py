@@ -44,7 +44,7 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
         update_every: Refresh the curvature every this many steps (used by
             :meth:`closure` and :attr:`curvature_due`), ``>= 1``.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> from ggnchunk.optim import DiagGGNOptimizer
         >>> model = torch.nn.Linear(3, 2)
