@@ -16,7 +16,7 @@ test: ## run the tests (the README's test command)
 test-fast: ## run the tests without the slow ones
 	$(PY) -m pytest -m "not slow"
 
-lint: ## ruff format check, ruff lint, README tables in sync
+lint: ## ruff format check, ruff lint, generated docs table in sync
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(PY) tools/sync_readme.py --check
@@ -25,8 +25,11 @@ format: ## ruff format and autofix
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-readme: ## regenerate the README's supported-layers table from the code
+tables: ## regenerate the supported-layers table on docs/supported.md from the code
 	$(PY) tools/sync_readme.py
+
+docs: ## build the documentation site (mkdocs, warnings are errors) into site/
+	$(PY) -m mkdocs build --strict
 
 bench: ## run the benchmark suite (quick)
 	$(PY) -m benchmarks --quick
@@ -38,5 +41,5 @@ ci: ## what CI runs: fresh venv, install, tests, lint
 	bash .ci/run
 
 clean: ## remove caches and results
-	rm -rf .pytest_cache .ruff_cache results build *.egg-info
-.PHONY: help venv demo test test-fast lint format readme bench gpu-check ci clean
+	rm -rf .pytest_cache .ruff_cache results build site *.egg-info
+.PHONY: help venv demo test test-fast lint format tables docs bench gpu-check ci clean

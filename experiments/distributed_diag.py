@@ -2,7 +2,7 @@
 
 Launch with torchrun (``gloo`` on CPU, ``nccl`` on GPUs)::
 
-    torchrun --nproc_per_node=2 experiments/distributed_diag.py --max-memory 256MiB
+    .venv/bin/torchrun --nproc_per_node=2 experiments/distributed_diag.py
 
 ``--mode dataset`` (default): each rank takes its share of the data with a
 ``DistributedSampler`` and ``diag_ggn_dataset`` sums the partial diagonals with one
