@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from math import inf
 
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._checks import Batch, check_batch, check_positive_int
-from ggnchunk._distributed import all_reduce_sum, rank_and_size, resolve_group
+from ggnchunk._distributed import rank_and_size, resolve_group
 from ggnchunk._engine import (
     GGNComputation,
     Problem,
@@ -19,6 +20,13 @@ from ggnchunk._engine import (
 )
 from ggnchunk._kron import KronFactors, assemble
 from ggnchunk._memory import PeakTracker, parse_memory
+from ggnchunk._quantities import (
+    DiagonalGGN,
+    KroneckerFactors,
+    PerSampleDiagonal,
+    Quantity,
+    Sampling,
+)
 from ggnchunk._scheduler import (
     ChunkScheduler,
     ScheduleReport,
@@ -126,7 +134,7 @@ class _Evaluation:
     report: GGNReport
     normalizer: float  # of the mean reduction (1 for sum)
     names: list[str]
-    factors: dict[str, KronFactors] | None = None  # with kron=True (diagonal is empty)
+    factors: dict[str, KronFactors] | None = None  # kron_ggn (diagonal is empty)
 
 
 def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkOptions]:
@@ -200,16 +208,21 @@ def _plan_for_budget(
     return False
 
 
-def _compute(
-    problem: Problem, batch: Batch, targets: Tensor, options: ChunkOptions, scale: float,
-    need_gradient: bool, group=None, per_sample: bool = False,
-    factors: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None,
-) -> tuple[list[Tensor], Tensor, list[Tensor], GGNReport]:  # fmt: skip
-    """Every sub-batch: forward, then the scheduled backward passes; summed results.
+QuantitySpec = Callable[[Problem, int], Quantity]
+"""Makes the quantity of one forward pass: ``spec(problem, samples)``."""
 
-    Loss, gradient and diagonal are those of ``scale * (the loss with reduction="sum")``.
-    With ``factors = (outputs, inputs)`` (empty dicts), Kronecker factors are summed
-    into them instead of the diagonal (returned empty).
+
+def _compute(
+    problem: Problem, batch: Batch, targets: Tensor | None, options: ChunkOptions,
+    scale: float, spec: QuantitySpec, group=None, with_gradient: bool = False,
+    sampling: Sampling | None = None,
+) -> tuple[Quantity, Tensor, list[Tensor], GGNReport]:  # fmt: skip
+    """Every sub-batch: forward, then the scheduled backward passes; merged results.
+
+    Loss, gradient and quantity are those of ``scale * (the loss with reduction="sum")``
+    (no loss and no gradient when ``problem.loss_func`` is ``None``). Returns the
+    quantity of the first sub-batch with the later ones merged into it (and summed over
+    the ranks of ``group``).
     """
     size = batch.size
     report = GGNReport(
@@ -217,20 +230,19 @@ def _compute(
                                  what="samples")
     )  # fmt: skip
     params = problem.params
-    kron = factors is not None
-    total: list[Tensor] | None = [] if kron else None  # the first sub-batch's own
-    parts: list[list[Tensor]] = []  # per-sample diagonals of the sub-batches
-    gradient = [torch.zeros_like(p) for p in params] if need_gradient else []
+    merged: Quantity | None = None
+    gradient = [torch.zeros_like(p) for p in params] if with_gradient else []
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
-    mean = problem.loss_func.reduction == "mean"
+    mean = problem.loss_func is not None and problem.loss_func.reduction == "mean"
     tracker = PeakTracker(problem.device) if options.measured else None
     baseline = (
         getattr(tracker, "settled", tracker.current)() if tracker is not None else None
     )
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
-        sub_targets = targets[start:stop]
-        run = GGNComputation(problem, part, sub_targets, scale, per_sample, kron)
+        sub_targets = targets[start:stop] if targets is not None else None
+        quantity = spec(problem, stop - start)
+        run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling)
         with run:
             run.forward()
         columns = run.num_columns
@@ -264,39 +276,28 @@ def _compute(
                 last - first, backward, baseline=baseline, cost=bound
             )
             report.schedules.append(schedule)
-        if need_gradient:
+        if with_gradient:
             grads = run.gradient()
         run.close()
-        # the sub-batch's loss is its own mean: back to the sum, then to the scale
-        factor = scale * (
-            float(problem.handler.normalizer(problem.loss_func, sub_targets)) if mean else 1
-        )
-        loss += factor * run.loss
-        if kron:
-            for store, values in zip(
-                factors, (run.output_factors, run.input_factors), strict=True
-            ):
-                for name, value in values.items():
-                    store[name] = store[name] + value if name in store else value
-        elif per_sample:
-            parts.append(run.diagonal)
-        elif total is None:
-            total = run.diagonal  # no second parameter-sized buffer for one sub-batch
+        if run.loss is not None:
+            # the sub-batch's loss is its own mean: back to the sum, then to the scale
+            factor = scale * (
+                float(problem.handler.normalizer(problem.loss_func, sub_targets))
+                if mean else 1
+            )  # fmt: skip
+            loss += factor * run.loss
+        if merged is None:
+            merged = quantity  # no second parameter-sized buffer for one sub-batch
         else:
-            for acc, value in zip(total, run.diagonal, strict=True):
-                acc.add_(value)
-        if need_gradient:
+            merged.absorb(quantity)
+        if with_gradient:
             for acc, grad in zip(gradient, grads, strict=True):
                 if grad is not None:
                     acc.add_(grad, alpha=factor)
-        del run
-    if per_sample:
-        total = [torch.cat(values) for values in zip(*parts, strict=True)]
-    if group is not None and kron:  # every rank has the inputs' factors already
-        all_reduce_sum(list(factors[0].values()), None, group)
-    elif group is not None:
-        all_reduce_sum(total, None, group)
-    return total, loss, gradient, report
+        del run, quantity
+    if group is not None:
+        merged.all_reduce(group)
+    return merged, loss, gradient, report
 
 
 def diag_ggn(
@@ -393,7 +394,8 @@ def diag_ggn(
     )
     if not isinstance(per_sample, bool):
         raise TypeError(f"per_sample must be True or False, got {per_sample!r}.")
-    result = _evaluate(model, loss_func, inputs, targets, options, per_sample=per_sample)
+    spec = PerSampleDiagonal if per_sample else DiagonalGGN
+    result = _evaluate(model, loss_func, inputs, targets, options, spec=spec)
     diagonal = dict(zip(result.names, result.diagonal, strict=True))
     return (diagonal, result.report) if return_report else diagonal
 
@@ -468,7 +470,7 @@ def kron_ggn(
     options = ChunkOptions(
         num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
     )
-    result = _evaluate(model, loss_func, inputs, targets, options, kron=True)
+    result = _evaluate(model, loss_func, inputs, targets, options, spec=KroneckerFactors)
     return (result.factors, result.report) if return_report else result.factors
 
 
@@ -528,12 +530,17 @@ def loss_grad_and_diag_ggn(
 
 def _evaluate(
     model, loss_func, inputs, targets, options: ChunkOptions,
-    scale: float | None = None, need_gradient: bool = False, per_sample: bool = False,
-    kron: bool = False,
+    scale: float | None = None, need_gradient: bool = False,
+    spec: QuantitySpec = DiagonalGGN, sampling: Sampling | None = None,
 ) -> _Evaluation:  # fmt: skip
-    """Check everything, then compute; ``scale=None`` follows the loss's reduction."""
+    """Check everything, then compute; ``scale=None`` follows the loss's reduction.
+
+    ``spec`` makes each forward pass's quantity (:mod:`ggnchunk._quantities`); its merged
+    result is ``diagonal`` (a list per parameter) or, for ``KroneckerFactors``, the
+    assembled ``factors``.
+    """
     problem = Problem.build(model, loss_func)
-    if kron:
+    if spec is KroneckerFactors:
         check_kron_parameters(problem)
     batch = check_batch(
         list(zip(problem.names, problem.params, strict=True)), inputs, targets
@@ -548,17 +555,16 @@ def _evaluate(
     # autocast would cast the sweeps' products too: everything runs in the parameters'
     # dtype (float32 for a float32 model under autocast), as the README says; and float32
     # in full float32 (TF32 convolutions, cuDNN's default, change results at 1e-3)
-    sums = ({}, {}) if kron else None
     with (
         model_lock(model),
         torch.autocast(problem.device.type, enabled=False),
         full_float32(),
     ):
-        total, loss, gradient, report = _compute(
-            problem, batch, targets.detach(), options, scale, need_gradient, group,
-            per_sample, sums,
+        quantity, loss, gradient, report = _compute(
+            problem, batch, targets.detach(), options, scale, spec, group,
+            need_gradient, sampling,
         )  # fmt: skip
-    factors = None
-    if sums is not None:
-        factors = assemble(model, problem.names, *sums, samples=batch.size)
-    return _Evaluation(loss, gradient, total, report, normalizer, problem.names, factors)
+    if isinstance(quantity, KroneckerFactors):
+        factors = assemble(model, problem.names, *quantity.final(), samples=batch.size)
+        return _Evaluation(loss, gradient, [], report, normalizer, problem.names, factors)
+    return _Evaluation(loss, gradient, quantity.final(), report, normalizer, problem.names)

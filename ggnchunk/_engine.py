@@ -8,11 +8,12 @@ loss, parameters, the layers with rules), checked once at the entry point.
 ``inplace=False`` on layers built with ``inplace=True`` (restored).
 
 Each backward sweep seeds columns ``start:stop`` of the loss Hessian's square root (see
-:mod:`ggnchunk._sqrt_hessians`) and adds each parameter's share to :attr:`diagonal` in
-place (no second parameter-sized accumulator per chunk); a sweep that fails (out of
-memory) remembers which parameters it finished, so its range can be retried in smaller
-pieces that leave those alone. The graph is kept until :meth:`GGNComputation.close`
-frees it, after the last pass: the forward pass is never run again.
+:mod:`ggnchunk._sqrt_hessians`) and adds each parameter's share in place through the
+call's quantity (:mod:`ggnchunk._quantities`; no second parameter-sized accumulator per
+chunk); a sweep that fails (out of memory) remembers which parameters it finished, so
+its range can be retried in smaller pieces that leave those alone. The graph is kept
+until :meth:`GGNComputation.close` frees it, after the last pass: the forward pass is
+never run again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
+from ggnchunk._quantities import Gradient, Quantity, Sampling
 from ggnchunk._rules import LayerRule, rule_for
 from ggnchunk._sqrt_hessians import (
     LossSqrtHessian,
@@ -140,16 +142,16 @@ class Problem:
 
     Attributes:
         model: The user's model.
-        loss_func: The user's loss module.
-        handler: The loss's Hessian square root.
+        loss_func: The user's loss module (``None``: no loss, for output variances).
+        handler: The loss's Hessian square root (``None`` without a loss).
         names: Names of the trainable parameters, in ``named_parameters()`` order.
         params: The parameters themselves.
         units: ``{layer: (qualified name, rule)}`` for the layers that have a rule.
     """
 
     model: nn.Module
-    loss_func: nn.Module
-    handler: LossSqrtHessian
+    loss_func: nn.Module | None
+    handler: LossSqrtHessian | None
     names: list[str]
     params: list[nn.Parameter]
     units: dict[nn.Module, tuple[str, LayerRule]]
@@ -165,12 +167,12 @@ class Problem:
         return self.params[0].dtype
 
     @classmethod
-    def build(cls, model: nn.Module, loss_func: nn.Module) -> Problem:
+    def build(cls, model: nn.Module, loss_func: nn.Module | None) -> Problem:
         """Check model and loss before any work and find the layers with rules.
 
         Args:
             model: The user's model.
-            loss_func: The user's loss.
+            loss_func: The user's loss (``None``: none, the columns are the outputs).
 
         Returns:
             The problem.
@@ -185,9 +187,11 @@ class Problem:
                 f"model must be a torch.nn.Module, got {type(model).__name__}. Wrap a "
                 "function in an nn.Module."
             )
-        loss_func = as_loss_module(loss_func)
-        handler = lookup_loss(loss_func)
-        handler.check(loss_func)
+        handler = None
+        if loss_func is not None:
+            loss_func = as_loss_module(loss_func)
+            handler = lookup_loss(loss_func)
+            handler.check(loss_func)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not params:
             raise ValueError(
@@ -279,50 +283,47 @@ def check_kron_parameters(problem: Problem) -> None:
 
 
 class GGNComputation:
-    """One batch's GGN diagonal, computed over any sequence of column ranges.
+    """One forward pass's quantity, computed over any sequence of column ranges.
 
     Use as a context manager: hooks are installed on entry and everything is removed on
     exit. Call :meth:`forward` once, then :meth:`backward` once per column range, then
-    read :attr:`diagonal`.
+    read :attr:`quantity` (its ``result``).
 
     Args:
         problem: The checked problem.
         batch: The (sub-)batch's inputs.
-        targets: Its targets.
+        targets: Its targets (ignored without a loss).
         scale: Factor of the loss Hessian: ``1`` for ``reduction="sum"``,
             ``1 / normalizer`` of the whole batch for ``"mean"``.
-        per_sample: Each sample's diagonal, ``[N, *param.shape]`` per parameter.
-        kron: Kronecker factors instead of the diagonal: :attr:`output_factors` (summed
-            over the column ranges) and :attr:`input_factors` (not normalized), keyed
-            by layer name (see :func:`check_kron_parameters`).
+        quantity: What the sweeps compute (:mod:`ggnchunk._quantities`), for this
+            forward pass.
+        sampling: Monte-Carlo columns instead of the exact square root (``None``: exact).
     """
 
     def __init__(
         self,
         problem: Problem,
         batch: Batch,
-        targets: Tensor,
+        targets: Tensor | None,
         scale: float,
-        per_sample: bool = False,
-        kron: bool = False,
+        quantity: Quantity,
+        sampling: Sampling | None = None,
     ):
         self._problem = problem
         self._batch = batch
-        self._targets = targets.detach()
+        self._targets = targets.detach() if targets is not None else None
         self._scale = scale
-        self._per_sample = per_sample
-        self._recording = Recording(problem.units, problem.params, batch.size, per_sample)
+        self.quantity = quantity
+        self._sampling = sampling
+        self._recording = Recording(
+            problem.units, problem.params, batch.size, quantity.every_product
+        )
         self._inplace: list[nn.Module] = []
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
         self._factor: SqrtHessianFactor | None = None
         self._columns: int | None = None  # the chunk size the bounds are made for
         self.loss: Tensor | None = None
-        self._kron = kron
-        self.diagonal: list[Tensor] = [] if kron else self._zeros()
-        self._partial: list[tuple[tuple[int, int], set[int]]] = []  # failed sweeps
-        self.output_factors: dict[str, Tensor] = {}
-        self.input_factors: dict[str, Tensor] = {}
 
     # -- set-up and tear-down -------------------------------------------------------------
     def __enter__(self) -> GGNComputation:
@@ -392,10 +393,26 @@ class GGNComputation:
                 f"{problem.dtype}; ggnchunk computes in the parameters' dtype. Remove "
                 "the cast from forward."
             )
+        if problem.loss_func is not None:
+            self._loss = self._loss_of(output)
+        self._recording.plan(output)
+        self.quantity.check(self._recording)
+        self._recording.check_independent(output)
+        self.quantity.start(self._recording)
+        self.loss = self._loss.detach() if self._loss is not None else None
+        self._output = output
+        factor = self.quantity.factorize(output.detach(), self._targets, self._scale)
+        if self._sampling is not None:
+            factor = self._sampling.draw(factor)
+        self._factor = factor
+        return output
+
+    def _loss_of(self, output: Tensor) -> Tensor:
+        problem = self._problem
         problem.handler.check_shapes(problem.loss_func, output, self._targets)
         with torch.enable_grad():
             try:
-                self._loss = problem.loss_func(output, self._targets)
+                loss = problem.loss_func(output, self._targets)
             except (RuntimeError, ValueError, IndexError, TypeError) as error:
                 raise ValueError(
                     f"loss_func ({type(problem.loss_func).__name__}) fails on the model "
@@ -403,35 +420,12 @@ class GGNComputation:
                     f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} Check "
                     "the targets' shape and dtype for this loss."
                 ) from error
-        if self._loss.dim() != 0:
+        if loss.dim() != 0:
             raise ValueError(
-                f"loss_func returned a tensor of shape {tuple(self._loss.shape)}; ggnchunk "
+                f"loss_func returned a tensor of shape {tuple(loss.shape)}; ggnchunk "
                 "needs a scalar loss (reduction='mean' or 'sum')."
             )
-        self._recording.plan(output)
-        if self._kron:
-            self._recording.check_kron(problem.names)
-        self._recording.check_independent(output)
-        if self._kron:
-            self._input_factors()
-        self.loss = self._loss.detach()
-        self._output = output
-        self._factor = problem.handler.factorize(
-            problem.loss_func, output.detach(), self._targets, self._scale
-        )
-        return output
-
-    def _input_factors(self) -> None:
-        """Zero output factors and the input factors of every layer with parameters."""
-        for call in self._recording.calls:
-            if not call.params:
-                continue
-            module = call.ctx.module
-            self.output_factors[call.name] = module.weight.new_zeros(
-                module.weight.shape[0], module.weight.shape[0]
-            ).detach()
-            if any(pname == "weight" for _, pname in call.params):
-                self.input_factors[call.name] = call.rule.input_factor(call.ctx)
+        return loss
 
     @property
     def num_columns(self) -> int:
@@ -464,12 +458,9 @@ class GGNComputation:
             self._columns = min(columns or self.num_columns, self.num_columns)
             for call in self._recording.calls:  # the Gram form's factors depend on it
                 call.ctx.columns = self._columns
-        if self._kron:  # no rule caches (patches dropped after the input factors); the
-            # totals are allocated with the forward pass, each chunk's own on top
-            return sum(f.numel() for f in self.output_factors.values()) * element
-        # the diagonal is allocated before the forward pass (measured with it) and the
-        # sweeps add to it in place
-        return self._recording.fixed_bytes(element)
+        # the quantity's accumulators are allocated before the first sweep (measured
+        # with the forward pass) and the sweeps add to them in place
+        return self.quantity.fixed_bytes(self._recording, element)
 
     def set_lean(self, lean: bool) -> None:
         """Keep no recomputable per-forward caches (for tight budgets), or keep them.
@@ -487,52 +478,29 @@ class GGNComputation:
                 call.ctx.extra.pop("patches", None)
                 call.ctx.extra.pop("squares", None)
 
-    def _zeros(self) -> list[Tensor]:
-        params = self._problem.params
-        if self._per_sample:
-            n = self._batch.size
-            return [p.new_zeros(n, *p.shape) for p in params]
-        return [torch.zeros_like(p) for p in params]
-
     def _require_factor(self) -> SqrtHessianFactor:
         if self._factor is None:
             raise RuntimeError("call forward() first")
         return self._factor
 
     def backward(self, start: int, stop: int) -> None:
-        """Add the GGN diagonal of columns ``start:stop`` to :attr:`diagonal`.
+        """Add columns ``start:stop`` to the quantity.
 
-        A pass that fails may have added some parameters' diagonals already; they are
-        remembered, so a failed range can be retried in parts (ranges inside it) and
-        every column is still added exactly once per parameter.
+        A pass that fails may have added some parameters' shares already; the quantity
+        remembers them, so a failed range can be retried in parts (ranges inside it) and
+        every column is still added exactly once.
 
         Args:
             start: First column (inclusive).
             stop: Last column (exclusive).
         """
         factor = self._require_factor()
-        if self._kron:
-            factors: dict[int, Tensor] = {}
-            seed = factor.columns(start, stop)
-            self._recording.sweep(seed, None, factors=factors)
-            del seed
-            for index, value in factors.items():
-                self.output_factors[self._recording.calls[index].name].add_(value)
-            return
-        # added in place, each parameter once; a sweep that fails (out of memory) is
-        # retried in parts of its range, which leave the parameters it finished alone
-        skip = set().union(
-            *(done for (a, b), done in self._partial if a <= start and stop <= b)
-        )
-        done: set[int] = set()
-        seed = factor.columns(start, stop)
+        self.quantity.begin(factor, start, stop)
         try:
-            self._recording.sweep(
-                seed, self.diagonal, mask=factor.squared_mask(start, stop), skip=skip,
-                done=done,
-            )  # fmt: skip
+            seed = factor.columns(start, stop)
+            self._recording.sweep(seed, self.quantity)
         except BaseException:
-            self._partial.append(((start, stop), done))
+            self.quantity.abort()
             raise
 
     def gradient(self) -> list[Tensor | None]:
@@ -544,4 +512,6 @@ class GGNComputation:
         if self._loss is None or self._output is None:
             raise RuntimeError("call forward() first")
         (seed,) = torch.autograd.grad(self._loss, self._output, retain_graph=True)
-        return self._recording.gradient(seed)
+        gradient = Gradient(self._problem)
+        self._recording.sweep(seed, gradient)
+        return gradient.result

@@ -38,11 +38,10 @@ from ggnchunk._autograd import (
     GradientEdge,
     accumulated_variable,
     batched_grad,
-    blocked,
     edge_key,
     edge_of,
-    plain_grad,
 )
+from ggnchunk._quantities import Quantity
 from ggnchunk._rules import LayerRule, RuleContext
 
 __all__ = ["Call", "Recording", "SampleCouplingError"]
@@ -91,8 +90,9 @@ class Recording:
         units: ``{module: (qualified name, rule)}``.
         params: The trainable parameters, in ``named_parameters()`` order.
         batch: Number of samples ``N`` in the forward pass.
-        per_sample: Keep each sample's diagonal (``[N, *param.shape]`` accumulators):
-            every parameter then takes the per-sample products' path.
+        every_product: Every parameter takes the per-sample products' path (the
+            quantity keeps them: each sample's diagonal, output variances), and the
+            memory bound counts them.
     """
 
     def __init__(
@@ -100,9 +100,9 @@ class Recording:
         units: dict[nn.Module, tuple[str, LayerRule]],
         params: list[nn.Parameter],
         batch: int,
-        per_sample: bool = False,
+        every_product: bool = False,
     ):
-        self.per_sample = per_sample
+        self.every_product = every_product
         self._units = units
         self._params = params
         self._param_index = {id(p): i for i, p in enumerate(params)}
@@ -224,7 +224,7 @@ class Recording:
             self._walk(source)
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
-        self.shared = {i for i, count in uses.items() if count > 1 or self.per_sample}
+        self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
@@ -355,154 +355,67 @@ class Recording:
         return kept + transient
 
     # -- sweeps ----------------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters, in ``named_parameters()`` order."""
+        return self._params
+
     def sweep(
         self,
         seed: Tensor,
-        diagonal: list[Tensor] | None,
+        quantity: Quantity,
         visit: Callable[[str, Tensor], None] | None = None,
-        mask: Tensor | None = None,
-        factors: dict[int, Tensor] | None = None,
-        skip: set[int] | frozenset[int] = frozenset(),
-        done: set[int] | None = None,
     ) -> None:
-        """Backpropagate ``seed`` (``[V, N, *output]``) and add parameter diagonals.
+        """Backpropagate ``seed`` over the calls; the quantity works at the parameters.
 
         Args:
-            seed: Square-root columns at the model output.
-            diagonal: Accumulators, one per parameter (``None``: only ``visit``).
+            seed: Vectors at the model output: ``[V, N, *output]`` columns, or
+                ``[N, *output]`` for a quantity that is not batched (the gradient).
+            quantity: What is computed at layers and glue parameters
+                (:mod:`ggnchunk._quantities`); its :meth:`end` is called once the sweep
+                is done.
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
-            mask: For one-hot columns, ``sum_v seed[v]**2`` (``[N or 1, *output]``): the
-                layer that produces the model output takes its diagonal from it.
-            factors: Kronecker output factors, added per call index (for the calls
-                with trainable parameters; see :meth:`check_kron`).
-            skip: Parameters whose diagonal already holds these columns (from a sweep
-                over a larger range that failed after adding them): left alone.
-            done: Receives the index of every parameter whose diagonal was added to
-                (each parameter is added to exactly once per sweep, so a failed sweep
-                says which parameters hold its columns already).
         """
-        v, n = seed.shape[:2]
-        buffers: dict[int, Tensor] = {}
-
-        def contribute(index: int, value: Tensor) -> None:
-            if index in skip:
-                return
-            diagonal[index] += value
-            if done is not None:
-                done.add(index)
-
-        def per_sample(index: int, value: Tensor) -> None:
-            if index in buffers:
-                buffers[index] += value
-            else:
-                buffers[index] = value.clone() if value.stride(1) == 0 else value
 
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
             if source.frontier:
-                results = batched_grad([source.target], source.frontier, [grads])
+                results = quantity.through(source, grads)
                 found = list(zip(source.frontier, results, strict=True))
-            if source.params and diagonal is not None:
-                params = [self._params[i] for i in source.params]
-                masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
-                for sample in range(n):
-                    masked[:, sample] = grads[:, sample]
-                    with blocked(source.frontier):
-                        results = batched_grad([source.target], params, [masked])
-                    masked[:, sample] = 0
-                    for i, value in zip(source.params, results, strict=True):
-                        if value is None:
-                            continue
-                        if i not in buffers:
-                            buffers[i] = value.new_zeros(v, n, *value.shape[1:])
-                        buffers[i][:, sample] += value
+            if source.params:
+                quantity.glue(self, source, grads)
             return found
 
         def layer(call: Call, grads: Tensor) -> Tensor | None:
-            if factors is not None and call.params:
-                value = call.rule.output_factor(call.ctx, grads)
-                old = factors.get(call.index)
-                factors[call.index] = value if old is None else old + value
-            onehot = None
-            if (
-                diagonal is not None and mask is not None and call.params
-                and edge_key(call.out_edge) == self.output_key
-                and not any(i in self.shared for i, _ in call.params)
-            ):  # fmt: skip
-                onehot = call.rule.diag_onehot(call.ctx, mask)
-            if onehot is not None:
-                for i, pname in call.params:
-                    contribute(i, onehot[pname])
-            elif diagonal is not None and call.params:
-                if any(i in self.shared for i, _ in call.params):
-                    products = call.rule.per_sample(call.ctx, grads)
-                    for i, pname in call.params:
-                        if i in self.shared:
-                            per_sample(i, products[pname])
-                        else:
-                            contribute(i, products[pname].square().sum((0, 1)))
-                else:
-                    values = call.rule.diag(call.ctx, grads)
-                    for i, pname in call.params:
-                        contribute(i, values[pname])
+            quantity.layer(self, call, grads)
             if call.leaf is None:
                 return None
-            if call.rule.sample_free_backprop and grads.stride(1) == 0:
-                # the same vectors for every sample (MSE's columns): map them once
-                back = call.rule.backprop(call.ctx, grads[:, :1])
-                if back is not None:
-                    return back.expand(back.shape[0], n, *back.shape[2:])
-            back = call.rule.backprop(call.ctx, grads)
-            if back is None:
-                (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
-            return back
+            return quantity.backprop(self, call, grads)
 
         self._traverse(seed, layer, glue, visit)
-        if diagonal is not None:
-            axes = 0 if self.per_sample else (0, 1)
-            for i, value in buffers.items():
-                contribute(i, value.square().sum(axes))
+        quantity.end(self)
 
-    def gradient(self, seed: Tensor) -> list[Tensor | None]:
-        """The loss gradient: ``seed`` (``dL/doutput``) backpropagated to the parameters.
+    def backprop(self, call: Call, grads: Tensor) -> Tensor:
+        """Vectors ``[V, N, *out]`` at a call's output mapped to its input (the rule's map).
 
         Args:
-            seed: ``[N, *output]``.
+            call: The layer call (its input needs the vectors).
+            grads: The vectors at its output.
 
         Returns:
-            One gradient per parameter (``None`` where the loss does not depend on it).
+            ``[V, N, *input]``.
         """
-        grads: list[Tensor | None] = [None] * len(self._params)
-
-        def add_param(index: int, value: Tensor | None) -> None:
-            if value is not None:
-                grads[index] = value if grads[index] is None else grads[index] + value
-
-        def glue(source: _Source, value: Tensor) -> list[tuple[GradientEdge, Any]]:
-            found: list[tuple[GradientEdge, Any]] = []
-            if source.frontier:
-                results = plain_grad([source.target], source.frontier, [value])
-                found = list(zip(source.frontier, results, strict=True))
-            if source.params:
-                params = [self._params[i] for i in source.params]
-                with blocked(source.frontier):
-                    results = plain_grad([source.target], params, [value])
-                for i, result in zip(source.params, results, strict=True):
-                    add_param(i, result)
-            return found
-
-        def layer(call: Call, value: Tensor) -> Tensor | None:
-            targets = [self._params[i] for i, _ in call.params]
-            if call.leaf is not None:
-                targets.append(call.leaf)
-            results = plain_grad([call.out_edge], targets, [value])
-            for (i, _), result in zip(call.params, results, strict=False):
-                add_param(i, result)
-            return results[-1] if call.leaf is not None else None
-
-        self._traverse(seed, layer, glue)
-        return grads
+        n = grads.shape[1]
+        if call.rule.sample_free_backprop and grads.stride(1) == 0:
+            # the same vectors for every sample (MSE's columns): map them once
+            back = call.rule.backprop(call.ctx, grads[:, :1])
+            if back is not None:
+                return back.expand(back.shape[0], n, *back.shape[2:])
+        back = call.rule.backprop(call.ctx, grads)
+        if back is None:
+            (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
+        return back
 
     def _traverse(
         self,
@@ -636,7 +549,7 @@ class Recording:
                 )
 
         visit("the model output", seed)
-        self.sweep(seed, None, visit)
+        self.sweep(seed, Quantity(), visit)
 
 
 _BOUNDED_CACHES = ("patches", "gram", "x_hat", "normalized")  # what fixed bounds count

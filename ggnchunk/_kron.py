@@ -1,6 +1,6 @@
 """Kronecker factors of the exact GGN: the result type and its assembly from the engine.
 
-The engine (``GGNComputation(kron=True)``) sums, per layer, the output factor
+The engine (the ``KroneckerFactors`` quantity) sums, per layer, the output factor
 ``G = sum_{v, n} s_{vn} s_{vn}^T`` over every column ``v`` of the loss Hessian's square
 root (``s_{vn}``: the column backpropagated to the layer's output, summed over output
 positions) and the input factor ``sum_n sum_p u_{np} u_{np}^T`` of the (unfolded)

@@ -25,7 +25,14 @@ from ggnchunk._autograd import quiet_autograd
 from ggnchunk._checks import user_stacklevel
 from ggnchunk.losses import GaussianNLL
 
-__all__ = ["LOSSES", "LossSqrtHessian", "SqrtHessianFactor", "lookup_loss"]
+__all__ = [
+    "LOSSES",
+    "LossSqrtHessian",
+    "SqrtHessianFactor",
+    "identity_factor",
+    "lookup_loss",
+    "sampled_factor",
+]
 
 
 class SqrtHessianFactor(ABC):
@@ -72,6 +79,84 @@ class SqrtHessianFactor(ABC):
 
     _column_numel: int
     _element_size: int
+
+    def combine(self, noise: Tensor) -> Tensor:
+        """``S_n noise[k, n]`` for every sample: random combinations of the columns.
+
+        The default builds the columns in ranges of at most ``k`` (memory of ``k``
+        columns); factors with structure override it.
+
+        Args:
+            noise: ``[K, N, V]`` weights, one per (draw, sample, column).
+
+        Returns:
+            ``[K, N, *output_shape]``.
+        """
+        count, n, total = noise.shape
+        result: Tensor | None = None
+        step = max(count, 1)
+        for a in range(0, total, step):
+            b = min(total, a + step)
+            columns = self.columns(a, b)  # [c, N, *output]
+            term = torch.einsum(
+                "knc,cnf->knf", noise[:, :, a:b], columns.reshape(b - a, n, -1)
+            )
+            result = term if result is None else result.add_(term)
+            shape = columns.shape[1:]
+        return result.view(count, *shape)
+
+
+class _SampledFactor(SqrtHessianFactor):
+    """``K`` Monte-Carlo columns ``S_n eps_k / sqrt(K)``, drawn once per forward pass."""
+
+    def __init__(self, columns: Tensor):
+        self._columns = columns
+        self.num_columns = columns.shape[0]
+        self._column_numel = columns[0].numel()
+        self._element_size = columns.element_size()
+
+    def columns(self, start: int, stop: int) -> Tensor:
+        return self._columns[start:stop]
+
+
+def sampled_factor(
+    exact: SqrtHessianFactor, samples: int, generator: torch.Generator
+) -> SqrtHessianFactor:
+    r"""Monte-Carlo square root: ``K`` columns ``S_n \epsilon_k / \sqrt{K}``.
+
+    With ``eps_k ~ N(0, I_V)`` independent, ``E[S eps eps^T S^T] = S S^T = H``, so
+    ``sum_k (J^T S eps_k)**2 / K`` is an unbiased estimate of ``diag(J^T H J)`` (and the
+    Kronecker output factors' estimate is unbiased likewise), for every loss.
+
+    Args:
+        exact: The exact square root of the forward pass.
+        samples: ``K``.
+        generator: A CPU generator the noise is drawn from (``[K, N, V]``).
+
+    Returns:
+        A factor with ``K`` columns.
+    """
+    probe = exact.columns(0, 1)
+    n = probe.shape[1]
+    noise = torch.randn(
+        samples, n, exact.num_columns, generator=generator, dtype=probe.dtype
+    ).to(probe.device)
+    del probe
+    columns = exact.combine(noise)
+    columns.mul_(samples**-0.5)
+    return _SampledFactor(columns)
+
+
+def identity_factor(output: Tensor) -> SqrtHessianFactor:
+    """The identity over the output coordinates, the same for every sample.
+
+    Args:
+        output: The model output ``[N, ...]``.
+
+    Returns:
+        A factor with ``prod(output.shape[1:])`` one-hot columns.
+    """
+    return _ScaledIdentityFactor(output, 1.0)
 
 
 class LossSqrtHessian(ABC):
@@ -169,6 +254,9 @@ class _DiagonalFactor(SqrtHessianFactor):
         result[local, :, local + start] = self._sqrt[:, start:stop].T
         return result.view(count, *self._shape)
 
+    def combine(self, noise: Tensor) -> Tensor:
+        return (noise * self._sqrt).view(noise.shape[0], *self._shape)
+
     def squared_mask(self, start: int, stop: int) -> Tensor:
         mask = torch.zeros_like(self._sqrt)
         mask[:, start:stop] = self._sqrt[:, start:stop].square()
@@ -203,6 +291,9 @@ class _ScaledIdentityFactor(SqrtHessianFactor):
             .expand(count, self._batch, self._features)
             .view(count, *self._shape)
         )
+
+    def combine(self, noise: Tensor) -> Tensor:
+        return (noise * self._value).view(noise.shape[0], *self._shape)
 
     def squared_mask(self, start: int, stop: int) -> Tensor:
         mask = torch.zeros(1, self._features, dtype=self._dtype, device=self._device)
@@ -310,6 +401,16 @@ class _SoftmaxFactor(SqrtHessianFactor):
         )
         result[local, :, cls, pos] += tau_j
         result *= self._sqrt_weight[:, pos].T[:, :, None, None]
+        return result.view(count, *self._shape)
+
+    def combine(self, noise: Tensor) -> Tensor:
+        # S eps at (c, s) = sqrt(w_s) (tau_c eps_{c,s} - p_c sum_c' tau_c' eps_{c',s})
+        count = noise.shape[0]
+        n, c, p = self._prob.shape
+        eps = noise.view(count, n, c, p)
+        inner = (self._tau * eps).sum(2, keepdim=True)  # [K, N, 1, P]
+        result = self._tau * eps - self._prob * inner
+        result *= self._sqrt_weight.view(1, n, 1, p)
         return result.view(count, *self._shape)
 
 

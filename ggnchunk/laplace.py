@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, _evaluate
 from ggnchunk._dataset import mapping_call
+from ggnchunk._quantities import KroneckerFactors
 
 try:
     from laplace.curvature import GGNInterface
@@ -226,7 +227,7 @@ class ChunkedGGN(GGNInterface):
         """
         model, inputs, y = self._prepare(x, y)
         result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
-                           kron=True)  # fmt: skip
+                           spec=KroneckerFactors)  # fmt: skip
         samples = result.report.batch_chunks[-1][1]  # the input factors are / samples
         by_name: dict[str, list[Tensor]] = {}
         for layer in result.factors.values():

@@ -1,0 +1,540 @@
+r"""What a backward sweep computes: one object per quantity.
+
+A sweep (:meth:`ggnchunk._graph.Recording.sweep`) moves a chunk of vectors ``G``
+(``[V, N, *output]``: columns of the loss Hessian's square root, or of the identity over
+the outputs) from the model output back over the recorded layers and glue. A
+:class:`Quantity` is what it does with them where parameters are:
+
+- at a layer call (:meth:`Quantity.layer`), with the vectors at the layer's output;
+- at a glue region that uses parameters (:meth:`Quantity.glue`), with the vectors at the
+  region's start (per-sample products of the parameters, one masked backward per sample);
+- once the sweep is done (:meth:`Quantity.end`).
+
+It also says what it keeps for one forward pass (:attr:`Quantity.result`), how that is
+merged over the sub-batches of a call (:meth:`Quantity.absorb`) and over the ranks of a
+column-parallel call (:meth:`Quantity.all_reduce`), and what its columns are
+(:meth:`Quantity.factorize`).
+
+=====================  =========================================================  =====
+quantity               per forward pass                                           merge
+=====================  =========================================================  =====
+:class:`DiagonalGGN`   ``sum_{v,n} (J_n^T G[v, n])**2`` per parameter             sum
+:class:`PerSampleDiag` ``sum_v (J_n^T G[v, n])**2``, ``[N, *param]``              cat
+:class:`KroneckerFactors`output factors ``sum_{v,n} g g^T`` and input factors       sum
+:class:`OutputVar`     ``sum_p (J_n^T e_m)_p**2 s_p``, ``[N, *output]``           cat
+:class:`Gradient`      ``J^T dL/df`` (one vector, no column axis)                 sum
+=====================  =========================================================  =====
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ggnchunk._autograd import batched_grad, blocked, plain_grad
+from ggnchunk._distributed import all_reduce_sum
+from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggnchunk._engine import Problem
+    from ggnchunk._graph import Call, Recording, _Source
+
+__all__ = [
+    "DiagonalGGN",
+    "Gradient",
+    "KroneckerFactors",
+    "OutputVariance",
+    "PerSampleDiagonal",
+    "Quantity",
+    "Sampling",
+]
+
+
+class Sampling:
+    """Monte-Carlo columns: ``k`` random combinations ``S_n eps / sqrt(k)`` per sample.
+
+    One seed is drawn per call (from ``generator``, or once from the global RNG); every
+    forward pass of the call (sub-batches) draws from a private generator made from it,
+    so the call leaves the global RNG advanced by exactly one draw and never re-runs
+    user code differently.
+
+    Args:
+        samples: ``k``, the number of sampled columns.
+        generator: Where the seed comes from (``None``: the global RNG).
+    """
+
+    def __init__(self, samples: int, generator: torch.Generator | None = None):
+        self.samples = samples
+        seed = torch.randint(0, 2**62, (), generator=generator).item()
+        self._generator = torch.Generator().manual_seed(int(seed))
+
+    def draw(self, exact: SqrtHessianFactor) -> SqrtHessianFactor:
+        """The sampled square root of one forward pass.
+
+        Args:
+            exact: The loss Hessian's exact square root for the forward pass.
+
+        Returns:
+            A factor with ``k`` columns.
+        """
+        return sampled_factor(exact, self.samples, self._generator)
+
+
+class Quantity:
+    """What a sweep computes at parameters, for one forward pass (base: nothing).
+
+    Attributes:
+        every_product: Every parameter takes the per-sample products' path (the
+            recording's memory bound counts their products).
+        batched: The vectors carry a column axis ``[V, N, ...]`` (else ``[N, ...]``).
+    """
+
+    every_product = False
+    batched = True
+
+    def __init__(self, problem: Problem | None = None, samples: int = 0):
+        self.problem = problem
+        self.samples = samples
+
+    # -- columns and set-up -----------------------------------------------------------
+    def factorize(
+        self, output: Tensor, targets: Tensor, scale: float
+    ) -> SqrtHessianFactor | None:
+        """The columns to sweep: the loss Hessian's square root by default.
+
+        Args:
+            output: The detached model output ``[N, ...]``.
+            targets: The detached targets.
+            scale: Factor of the loss Hessian.
+
+        Returns:
+            The factor.
+        """
+        problem = self.problem
+        return problem.handler.factorize(problem.loss_func, output, targets, scale)
+
+    def check(self, recording: Recording) -> None:
+        """Refuse what the quantity cannot compute, after the plan, before any sweep.
+
+        Args:
+            recording: The planned recording.
+        """
+
+    def start(self, recording: Recording) -> None:
+        """Set up what the sweeps add to (after the checks).
+
+        Args:
+            recording: The planned recording.
+        """
+
+    def fixed_bytes(self, recording: Recording, element: int) -> int:
+        """Bytes the sweeps keep whatever the chunk size (rule caches by default).
+
+        Args:
+            recording: The planned recording.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return recording.fixed_bytes(element)
+
+    # -- one sweep --------------------------------------------------------------------
+    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        """A sweep over columns ``start:stop`` begins.
+
+        Args:
+            factor: The columns' factor.
+            start: First column.
+            stop: Last column (exclusive).
+        """
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        """The work at a layer call's parameters.
+
+        Args:
+            recording: The recording.
+            call: The layer call.
+            grads: The vectors at its output, ``[V, N, *out]``.
+        """
+
+    def backprop(self, recording: Recording, call: Call, grads: Tensor) -> Tensor | None:
+        """The vectors at the call's input (the rule's map, else autograd).
+
+        Args:
+            recording: The recording.
+            call: The layer call (with an input that needs them).
+            grads: The vectors at its output.
+
+        Returns:
+            The vectors at its input.
+        """
+        return recording.backprop(call, grads)
+
+    def through(self, source: _Source, grads: Tensor) -> tuple[Tensor | None, ...]:
+        """Move vectors through a glue region to its frontier.
+
+        Args:
+            source: The glue region.
+            grads: The vectors at its start.
+
+        Returns:
+            One tensor per frontier edge.
+        """
+        return batched_grad([source.target], source.frontier, [grads])
+
+    def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
+        """The work at the parameters a glue region uses.
+
+        Args:
+            recording: The recording.
+            source: The glue region.
+            grads: The vectors at its start.
+        """
+
+    def end(self, recording: Recording) -> None:
+        """The sweep finished.
+
+        Args:
+            recording: The recording.
+        """
+
+    def abort(self) -> None:
+        """The sweep failed (out of memory); it may be retried in parts."""
+
+    # -- merging ----------------------------------------------------------------------
+    result: Any = None
+    """What the quantity keeps for its forward pass."""
+
+    def absorb(self, later: Quantity) -> None:
+        """Merge a later sub-batch's quantity into this one.
+
+        Args:
+            later: The same quantity for the next sub-batch.
+        """
+        raise NotImplementedError  # pragma: no cover - each quantity defines it
+
+    def all_reduce(self, group: Any) -> None:
+        """Sum over the ranks of a column-parallel call (every rank joins).
+
+        Args:
+            group: The process group.
+        """
+        all_reduce_sum(self._reduced(), None, group)
+
+    def _reduced(self) -> list[Tensor]:
+        return list(self.result)
+
+    def final(self) -> Any:
+        """The merged result of the call.
+
+        Returns:
+            :attr:`result` after the merges.
+        """
+        return self.result
+
+
+class _Products(Quantity):
+    """Squares of per-(column, sample) products, added to per-parameter accumulators.
+
+    A parameter used in one place takes its layer's fastest form; one used in several
+    places (or in the glue, or everywhere for :attr:`every_product`) keeps its products
+    until the sweep ends, added over its uses, then squared (:meth:`_square`).
+    """
+
+    def __init__(self, problem: Problem, samples: int):
+        super().__init__(problem, samples)
+        self._buffers: dict[int, Tensor] = {}
+        self._skip: set[int] = set()
+        self._done: set[int] = set()
+        self._partial: list[tuple[tuple[int, int], set[int]]] = []  # failed sweeps
+
+    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        # a sweep that fails (out of memory) is retried in parts of its range, which
+        # leave the parameters it finished alone: each column added once per parameter
+        self._range = (start, stop)
+        self._skip = set().union(
+            *(done for (a, b), done in self._partial if a <= start and stop <= b)
+        )
+        self._done = set()
+        self._buffers = {}
+
+    def abort(self) -> None:
+        self._partial.append((self._range, self._done))
+        self._buffers = {}
+
+    def _add(self, index: int, value: Tensor) -> None:
+        if index in self._skip:
+            return
+        self._accumulate(index, value)
+        self._done.add(index)
+
+    def _accumulate(self, index: int, value: Tensor) -> None:
+        self.result[index] += value
+
+    def _keep(self, index: int, value: Tensor) -> None:
+        buffers = self._buffers
+        if index in buffers:
+            buffers[index] += value
+        else:
+            buffers[index] = value.clone() if value.stride(1) == 0 else value
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        if not call.params:
+            return
+        shared = recording.shared
+        if any(i in shared for i, _ in call.params):
+            products = call.rule.per_sample(call.ctx, grads)
+            for i, pname in call.params:
+                if i in shared:
+                    self._keep(i, products[pname])
+                else:
+                    self._add(i, products[pname].square().sum((0, 1)))
+            return
+        self._unshared(call, grads)
+
+    def _unshared(self, call: Call, grads: Tensor) -> None:
+        values = call.rule.diag(call.ctx, grads)
+        for i, pname in call.params:
+            self._add(i, values[pname])
+
+    def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
+        v, n = grads.shape[:2]
+        params = [recording.params[i] for i in source.params]
+        masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+        buffers = self._buffers
+        for sample in range(n):
+            masked[:, sample] = grads[:, sample]
+            with blocked(source.frontier):
+                results = batched_grad([source.target], params, [masked])
+            masked[:, sample] = 0
+            for i, value in zip(source.params, results, strict=True):
+                if value is None:
+                    continue
+                if i not in buffers:
+                    buffers[i] = value.new_zeros(v, n, *value.shape[1:])
+                buffers[i][:, sample] += value
+
+    def end(self, recording: Recording) -> None:
+        for i, value in self._buffers.items():
+            self._add(i, self._square(i, value))
+        self._buffers = {}
+
+    def _square(self, index: int, products: Tensor) -> Tensor:
+        return products.square().sum((0, 1))
+
+
+class DiagonalGGN(_Products):
+    """The GGN diagonal of the batch, one tensor per parameter (summed over samples)."""
+
+    def __init__(self, problem: Problem, samples: int):
+        super().__init__(problem, samples)
+        self.result = [torch.zeros_like(p) for p in problem.params]
+        self._mask: Tensor | None = None
+
+    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        super().begin(factor, start, stop)
+        self._mask = factor.squared_mask(start, stop)
+
+    def _unshared(self, call: Call, grads: Tensor) -> None:
+        if self._mask is not None and call.ctx.output:
+            # one-hot columns at the model output: the diagonal from the mask alone
+            onehot = call.rule.diag_onehot(call.ctx, self._mask)
+            if onehot is not None:
+                for i, pname in call.params:
+                    self._add(i, onehot[pname])
+                return
+        super()._unshared(call, grads)
+
+    def end(self, recording: Recording) -> None:
+        super().end(recording)
+        self._mask = None
+
+    def absorb(self, later: Quantity) -> None:
+        for acc, value in zip(self.result, later.result, strict=True):
+            acc.add_(value)
+
+
+class PerSampleDiagonal(_Products):
+    """Each sample's GGN diagonal, ``[N, *param.shape]`` per parameter."""
+
+    every_product = True
+
+    def __init__(self, problem: Problem, samples: int):
+        super().__init__(problem, samples)
+        self.result = [p.new_zeros(samples, *p.shape) for p in problem.params]
+        self._parts: list[list[Tensor]] = [self.result]
+
+    def _square(self, index: int, products: Tensor) -> Tensor:
+        return products.square().sum(0)
+
+    def absorb(self, later: Quantity) -> None:
+        self._parts.append(later.result)
+
+    def final(self) -> list[Tensor]:
+        if len(self._parts) > 1:
+            self.result = [torch.cat(values) for values in zip(*self._parts, strict=True)]
+            self._parts = [self.result]
+        return self.result
+
+
+class OutputVariance(_Products):
+    r"""Per-output variance under a diagonal posterior: ``sum_p (J_n^T e_m)_p**2 s_p``.
+
+    The columns are the identity over the output coordinates (``m``, one per column, the
+    same for every sample); at every parameter the squared per-sample products are
+    weighted by the posterior variance ``s`` and summed over the parameter's entries,
+    giving ``[V, N]`` per sweep, written to the output coordinates ``start:stop``.
+
+    Args:
+        problem: The checked problem (its loss is not used).
+        samples: Samples of the forward pass.
+        variance: The posterior variance, one tensor of each parameter's shape.
+        output_shape: ``output.shape[1:]`` (set by the first forward pass).
+    """
+
+    every_product = True
+
+    def __init__(self, problem: Problem, samples: int, variance: list[Tensor]):
+        super().__init__(problem, samples)
+        self._variance = variance
+        self._parts: list[Tensor] = []
+        self._chunk: Tensor | None = None
+
+    def factorize(self, output: Tensor, targets: Tensor, scale: float) -> SqrtHessianFactor:
+        self.result = output.new_zeros(output.shape[0], output[0].numel())
+        self._shape = output.shape
+        self._parts = [self.result]
+        return identity_factor(output)
+
+    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        super().begin(factor, start, stop)
+        self._chunk = self.result.new_zeros(stop - start, self.samples)
+
+    def _accumulate(self, index: int, value: Tensor) -> None:
+        self._chunk += value
+
+    def _square(self, index: int, products: Tensor) -> Tensor:
+        weighted = products.square().mul_(self._variance[index])
+        return weighted.flatten(2).sum(2)
+
+    def end(self, recording: Recording) -> None:
+        super().end(recording)
+        start, stop = self._range
+        self.result[:, start:stop] += self._chunk.T  # the sweep's whole range, once
+        self._chunk = None
+
+    def abort(self) -> None:
+        super().abort()
+        self._partial.clear()  # nothing was added: a retry redoes every parameter
+        self._chunk = None
+
+    def _reduced(self) -> list[Tensor]:
+        return [self.result]
+
+    def absorb(self, later: Quantity) -> None:
+        self._parts.append(later.result)
+
+    def final(self) -> Tensor:
+        result = torch.cat(self._parts) if len(self._parts) > 1 else self.result
+        return result.view(result.shape[0], *self._shape[1:])
+
+
+class KroneckerFactors(Quantity):
+    """Kronecker factors of the GGN blocks of Linear and Conv layers (KFLR).
+
+    :attr:`result` is ``(output factors, input factors)`` keyed by layer name; the output
+    factors sum over the columns, the input factors are made once per forward pass.
+    """
+
+    def __init__(self, problem: Problem, samples: int):
+        super().__init__(problem, samples)
+        self.result: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
+        self._chunk: dict[int, Tensor] = {}
+
+    def check(self, recording: Recording) -> None:
+        recording.check_kron(self.problem.names)
+
+    def start(self, recording: Recording) -> None:
+        outputs, inputs = self.result
+        for call in recording.calls:
+            if not call.params:
+                continue
+            module = call.ctx.module
+            outputs[call.name] = module.weight.new_zeros(
+                module.weight.shape[0], module.weight.shape[0]
+            ).detach()
+            if any(pname == "weight" for _, pname in call.params):
+                inputs[call.name] = call.rule.input_factor(call.ctx)
+
+    def fixed_bytes(self, recording: Recording, element: int) -> int:
+        # no rule caches (patches dropped after the input factors); the totals are
+        # allocated with the forward pass, each chunk's own on top
+        return sum(f.numel() for f in self.result[0].values()) * element
+
+    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        self._chunk = {}
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        if call.params:
+            value = call.rule.output_factor(call.ctx, grads)
+            old = self._chunk.get(call.index)
+            self._chunk[call.index] = value if old is None else old + value
+
+    def end(self, recording: Recording) -> None:
+        for index, value in self._chunk.items():
+            self.result[0][recording.calls[index].name].add_(value)
+        self._chunk = {}
+
+    def abort(self) -> None:
+        self._chunk = {}
+
+    def absorb(self, later: Quantity) -> None:
+        for store, values in zip(self.result, later.result, strict=True):
+            for name, value in values.items():
+                store[name] = store[name] + value if name in store else value
+
+    def _reduced(self) -> list[Tensor]:
+        return list(self.result[0].values())  # every rank has the input factors already
+
+
+class Gradient(Quantity):
+    """The loss gradient: one vector ``dL/df`` backpropagated to the parameters."""
+
+    batched = False
+
+    def __init__(self, problem: Problem, samples: int = 0):
+        super().__init__(problem, samples)
+        self.result: list[Tensor | None] = [None] * len(problem.params)
+        self._back: Tensor | None = None
+
+    def _add(self, index: int, value: Tensor | None) -> None:
+        if value is not None:
+            old = self.result[index]
+            self.result[index] = value if old is None else old + value
+
+    def through(self, source: _Source, grads: Tensor) -> tuple[Tensor | None, ...]:
+        return plain_grad([source.target], source.frontier, [grads])
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        # the parameters and the input in one backward through the layer
+        targets = [recording.params[i] for i, _ in call.params]
+        if call.leaf is not None:
+            targets.append(call.leaf)
+        results = plain_grad([call.out_edge], targets, [grads])
+        for (i, _), result in zip(call.params, results, strict=False):
+            self._add(i, result)
+        self._back = results[-1] if call.leaf is not None else None
+
+    def backprop(self, recording: Recording, call: Call, grads: Tensor) -> Tensor | None:
+        back, self._back = self._back, None
+        return back
+
+    def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
+        params = [recording.params[i] for i in source.params]
+        with blocked(source.frontier):
+            results = plain_grad([source.target], params, [grads])
+        for i, result in zip(source.params, results, strict=True):
+            self._add(i, result)
