@@ -20,6 +20,7 @@ from ggnchunk._scheduler import (
     plan_chunks,
 )
 from ggnchunk._sqrt_hessians import NotConvexWarning
+from ggnchunk._variance import output_variance
 
 
 def _warm_up_engine() -> None:
@@ -54,6 +55,8 @@ __all__ = [
     # Kronecker factors (KFLR)
     "kron_ggn",
     "KronFactors",
+    # predictive variance under a diagonal posterior
+    "output_variance",
     # scheduling chunks (generic: any sum over an index range)
     "ChunkScheduler",
     "ScheduleReport",

@@ -313,6 +313,8 @@ def diag_ggn(
     recover_oom: bool = True,
     distributed: bool = False,
     per_sample: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
     return_report: bool = False,
 ) -> dict[str, Tensor] | tuple[dict[str, Tensor], GGNReport]:
     """Exact diagonal of the generalized Gauss-Newton matrix of a batch's loss.
@@ -365,6 +367,14 @@ def diag_ggn(
             parameter (``diag(J_n^T H_n J_n)``; they add up to the batch's diagonal).
             The result is ``N`` times larger and every parameter takes the per-sample
             products' path; the memory budget counts both.
+        mc_samples: Monte-Carlo estimate instead of the exact value: the loss
+            Hessian's square root ``S_n`` is replaced by ``k = mc_samples`` random
+            columns ``S_n eps_j / sqrt(k)`` (``eps_j ~ N(0, I)``, independent per
+            sample), an unbiased estimate (``E[S eps eps^T S^T] = H``) for every loss,
+            computed with the same chunking, budget and sub-batches over ``k`` columns
+            (``report.num_columns == k``). ``None`` (default): exact.
+        generator: With ``mc_samples``: the ``torch.Generator`` one seed is drawn
+            from per call (``None``: one draw from the global RNG per call).
         return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
 
     Returns:
@@ -394,8 +404,11 @@ def diag_ggn(
     )
     if not isinstance(per_sample, bool):
         raise TypeError(f"per_sample must be True or False, got {per_sample!r}.")
+    sampling = Sampling.of(mc_samples, generator)
     spec = PerSampleDiagonal if per_sample else DiagonalGGN
-    result = _evaluate(model, loss_func, inputs, targets, options, spec=spec)
+    result = _evaluate(
+        model, loss_func, inputs, targets, options, spec=spec, sampling=sampling
+    )
     diagonal = dict(zip(result.names, result.diagonal, strict=True))
     return (diagonal, result.report) if return_report else diagonal
 
@@ -412,6 +425,8 @@ def kron_ggn(
     batch_chunk_size: int | None = None,
     recover_oom: bool = True,
     distributed: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
     return_report: bool = False,
 ) -> dict[str, KronFactors] | tuple[dict[str, KronFactors], GGNReport]:
     """Per-layer Kronecker factors of the exact GGN (KFLR), chunked to fit a budget.
@@ -445,6 +460,9 @@ def kron_ggn(
             batch's size.
         recover_oom: As in :func:`diag_ggn`.
         distributed: As in :func:`diag_ggn` (output factors summed over the ranks).
+        mc_samples: As in :func:`diag_ggn`: output factors from ``k`` sampled columns
+            (unbiased; BackPACK's ``KFAC``-style Monte-Carlo estimate of ``G``).
+        generator: As in :func:`diag_ggn`.
         return_report: Also return a :class:`GGNReport`.
 
     Returns:
@@ -470,7 +488,11 @@ def kron_ggn(
     options = ChunkOptions(
         num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
     )
-    result = _evaluate(model, loss_func, inputs, targets, options, spec=KroneckerFactors)
+    sampling = Sampling.of(mc_samples, generator)
+    result = _evaluate(
+        model, loss_func, inputs, targets, options, spec=KroneckerFactors,
+        sampling=sampling,
+    )  # fmt: skip
     return (result.factors, result.report) if return_report else result.factors
 
 

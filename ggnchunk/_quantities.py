@@ -55,20 +55,62 @@ __all__ = [
 class Sampling:
     """Monte-Carlo columns: ``k`` random combinations ``S_n eps / sqrt(k)`` per sample.
 
-    One seed is drawn per call (from ``generator``, or once from the global RNG); every
-    forward pass of the call (sub-batches) draws from a private generator made from it,
-    so the call leaves the global RNG advanced by exactly one draw and never re-runs
-    user code differently.
+    One seed is drawn per call, at the first forward pass's sampling (after the checks):
+    from ``generator``, or once from the global RNG (``torch.randint`` on the CPU
+    generator). Every forward pass of the call (sub-batches) then draws its noise from a
+    private generator made from that seed, so a call advances the global RNG by exactly
+    one draw and the same ``generator`` state gives the same estimate.
 
     Args:
-        samples: ``k``, the number of sampled columns.
+        samples: ``k``, the number of sampled columns (positive).
         generator: Where the seed comes from (``None``: the global RNG).
+        name: The argument's name, for messages.
+
+    Raises:
+        TypeError: For a ``samples`` that is not a positive int or a ``generator`` that
+            is not a ``torch.Generator``.
     """
 
-    def __init__(self, samples: int, generator: torch.Generator | None = None):
+    def __init__(
+        self, samples: int, generator: torch.Generator | None = None,
+        name: str = "mc_samples",
+    ):  # fmt: skip
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise TypeError(
+                f"{name} must be a positive int (the number of sampled columns), got "
+                f"{samples!r}."
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got "
+                f"{type(generator).__name__}."
+            )
         self.samples = samples
-        seed = torch.randint(0, 2**62, (), generator=generator).item()
-        self._generator = torch.Generator().manual_seed(int(seed))
+        self._source = generator
+        self._generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, samples: int | None, generator: torch.Generator | None) -> Sampling | None:
+        """The sampling an entry point's ``mc_samples``/``generator`` ask for.
+
+        Args:
+            samples: ``mc_samples`` (``None``: exact).
+            generator: ``generator`` (only with ``mc_samples``).
+
+        Returns:
+            ``None`` for the exact computation.
+
+        Raises:
+            ValueError: For a generator without ``mc_samples``.
+        """
+        if samples is None:
+            if generator is not None:
+                raise ValueError(
+                    "generator is only used with mc_samples (Monte-Carlo columns); pass "
+                    "mc_samples=k, or no generator for the exact computation."
+                )
+            return None
+        return cls(samples, generator)
 
     def draw(self, exact: SqrtHessianFactor) -> SqrtHessianFactor:
         """The sampled square root of one forward pass.
@@ -79,6 +121,10 @@ class Sampling:
         Returns:
             A factor with ``k`` columns.
         """
+        if self._generator is None:
+            device = self._source.device if self._source is not None else "cpu"
+            seed = torch.randint(0, 2**62, (), generator=self._source, device=device).item()
+            self._generator = torch.Generator().manual_seed(int(seed))
         return sampled_factor(exact, self.samples, self._generator)
 
 
@@ -439,7 +485,7 @@ class OutputVariance(_Products):
 
     def final(self) -> Tensor:
         result = torch.cat(self._parts) if len(self._parts) > 1 else self.result
-        return result.view(result.shape[0], *self._shape[1:])
+        return result.detach().view(result.shape[0], *self._shape[1:])
 
 
 class KroneckerFactors(Quantity):

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, _evaluate
 from ggnchunk._dataset import mapping_call
-from ggnchunk._quantities import KroneckerFactors
+from ggnchunk._quantities import KroneckerFactors, Sampling
 
 try:
     from laplace.curvature import GGNInterface
@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "pip install laplace-torch)."
     ) from error
 
-__all__ = ["ChunkedGGN"]
+__all__ = ["ChunkedGGN", "output_variance"]
 
 
 class ChunkedGGN(GGNInterface):
@@ -62,8 +62,11 @@ class ChunkedGGN(GGNInterface):
             convention; the whole dict is passed to the model).
         dict_key_y: Key of the targets in dict batches (read by laplace-torch's
             ``fit``, which passes them as ``y``).
-        stochastic: Must be ``False``: this backend is exact.
-        num_samples: Ignored (Monte-Carlo samples of stochastic backends).
+        stochastic: ``True``: Monte-Carlo estimates (diagonal and Kronecker output
+            factors) from ``num_samples`` sampled columns of the loss Hessian's square
+            root per batch (see ``mc_samples`` of :func:`ggnchunk.diag_ggn`; one draw
+            from the global RNG per batch), unbiased; ``False`` (default): exact.
+        num_samples: Sampled columns per batch with ``stochastic=True``.
         **chunking: Options of :func:`ggnchunk.diag_ggn`: ``max_memory``,
             ``num_chunks``, ``chunk_size``, ``batch_chunk_size``, ``recover_oom``.
 
@@ -92,13 +95,12 @@ class ChunkedGGN(GGNInterface):
                 f"unknown backend_kwargs {sorted(unknown)}; ChunkedGGN takes "
                 f"{', '.join(self._OPTIONS)} (and laplace-torch's own arguments)."
             )
+        if not isinstance(stochastic, bool):
+            raise TypeError(f"stochastic must be True or False, got {stochastic!r}.")
         if stochastic:
-            raise ValueError(
-                "ChunkedGGN computes the exact GGN diagonal; stochastic=True is not "
-                "available. Use laplace-torch's BackPackGGN for Monte-Carlo estimates."
-            )
+            Sampling(num_samples, name="num_samples")  # checked here, before any fit
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x,
-                         dict_key_y, stochastic=False, num_samples=num_samples)  # fmt: skip
+                         dict_key_y, stochastic, num_samples)  # fmt: skip
         self.chunking = chunking
         self._options = ChunkOptions(**chunking)  # checked here, before any fit
 
@@ -126,11 +128,16 @@ class ChunkedGGN(GGNInterface):
             ValueError: For inputs and targets with different batch sizes.
         """
         model, inputs, y = self._prepare(x, y)
-        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0)
+        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
+                           sampling=self._sampling())  # fmt: skip
         flat = torch.cat([value.flatten() for value in result.diagonal])
         if self.subnetwork_indices is not None:
             flat = flat[self.subnetwork_indices]
         return self.factor * result.loss, self.factor * flat
+
+    def _sampling(self) -> Sampling | None:
+        """A new call's Monte-Carlo sampling (``None``: exact)."""
+        return Sampling(self.num_samples) if self.stochastic else None
 
     def _prepare(
         self, x: Tensor | MutableMapping[str, Any] | tuple | list, y: Tensor
@@ -227,7 +234,7 @@ class ChunkedGGN(GGNInterface):
         """
         model, inputs, y = self._prepare(x, y)
         result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
-                           spec=KroneckerFactors)  # fmt: skip
+                           spec=KroneckerFactors, sampling=self._sampling())  # fmt: skip
         samples = result.report.batch_chunks[-1][1]  # the input factors are / samples
         by_name: dict[str, list[Tensor]] = {}
         for layer in result.factors.values():
@@ -250,6 +257,67 @@ class ChunkedGGN(GGNInterface):
             'or CurvlinopsGGN backend for it (e.g. Laplace(..., hessian_structure="full", '
             "backend=CurvlinopsGGN))."
         )
+
+
+def output_variance(la: Any, x: Tensor | Any, **chunking: Any) -> Tensor:
+    r"""Per-output functional variance of a fitted diagonal Laplace, without Jacobians.
+
+    The diagonal of laplace-torch's ``glm`` functional variance,
+    ``la._glm_predictive_distribution(x, diagonal_output=True)[1]`` (``J diag(s) J^T``
+    with ``s = la.posterior_variance``; for regression without the observation noise
+    ``la.sigma_noise**2``, which laplace-torch's predictive adds), computed by
+    :func:`ggnchunk.output_variance` in chunks of output coordinates: laplace-torch forms
+    the Jacobians ``[N, M, P]`` and the covariance ``[N, M, M]``; this needs neither, and
+    keeps image-shaped outputs image-shaped.
+
+    Args:
+        la: A fitted laplace-torch ``DiagLaplace`` (``subset_of_weights="all"``) or
+            ``DiagLLLaplace`` (``"last_layer"``: the features are computed with
+            ``la.model.forward_with_features`` and the last layer's variance is used).
+        x: Inputs as :meth:`ChunkedGGN.diag` takes them (a tensor, a dict holding
+            ``la.dict_key_x``, or a tuple/list).
+        **chunking: Options of :func:`ggnchunk.output_variance` (``max_memory``,
+            ``num_chunks``, ``chunk_size``, ``batch_chunk_size``, ``recover_oom``,
+            ``return_report``).
+
+    Returns:
+        ``[N, *output_shape]``: the model output's shape (``[N, M]`` for laplace-torch's
+        ``[N, M]`` outputs).
+
+    Raises:
+        TypeError: If ``la`` is not a diagonal Laplace approximation.
+        ValueError: If it is not fitted, or for everything
+            :func:`ggnchunk.output_variance` refuses.
+    """
+    from laplace import DiagLaplace, DiagLLLaplace
+    from laplace.baselaplace import ParametricLaplace
+
+    from ggnchunk._variance import output_variance as variance_of
+
+    if not isinstance(la, DiagLaplace) or not isinstance(la, ParametricLaplace):
+        raise TypeError(
+            f"la must be a fitted laplace-torch DiagLaplace (hessian_structure='diag'), "
+            f"got {type(la).__name__}; other posteriors are not diagonal."
+        )
+    if type(la) not in (DiagLaplace, DiagLLLaplace):
+        raise TypeError(
+            f"{type(la).__name__} is not supported; use subset_of_weights='all' "
+            "(DiagLaplace) or 'last_layer' (DiagLLLaplace)."
+        )
+    if getattr(la, "H", None) is None and getattr(la, "mean", None) is None:
+        raise ValueError("la is not fitted; call la.fit(train_loader) first.")
+    variance = la.posterior_variance.detach()
+    if isinstance(la, DiagLLLaplace):
+        if la.model.last_layer is None:
+            raise ValueError("la is not fitted; call la.fit(train_loader) first.")
+        with torch.no_grad():
+            _, features = la.model.forward_with_features(x)
+        model, inputs = la.model.last_layer, features.detach()
+    elif isinstance(x, Mapping):
+        model, inputs = mapping_call(la.model, x)
+    else:
+        model, inputs = la.model, x
+    return variance_of(model, inputs, variance, **chunking)
 
 
 class _ClassesLast(nn.Module):

@@ -86,8 +86,8 @@ def test_autoencoder_with_784_outputs_under_a_300mib_budget():
 def test_backend_arguments_are_checked():
     with pytest.raises(TypeError, match="unknown backend_kwargs"):
         ChunkedGGN(_model(3), "regression", chunks=3)
-    with pytest.raises(ValueError, match="stochastic=True"):
-        ChunkedGGN(_model(3), "regression", stochastic=True)
+    with pytest.raises(TypeError, match="num_samples must be a positive int"):
+        ChunkedGGN(_model(3), "regression", stochastic=True, num_samples=0)
 
 
 def test_full_says_which_structures_are_computed():

@@ -1,0 +1,180 @@
+r"""Per-output predictive variance under a diagonal posterior, on the GGN engine.
+
+For a posterior ``N(theta*, diag(s))`` over the trainable parameters, the linearized
+(GLM) predictive variance of output coordinate ``m`` of sample ``n`` is
+``Var f_nm = sum_p J_nmp**2 s_p``: the columns are the output coordinates (the identity,
+no loss), swept like the GGN diagonal's, and each column's squared per-sample products
+are reduced over the parameters (weighted by ``s``) instead of summed over columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ggnchunk._api import ChunkOptions, GGNReport, _compute
+from ggnchunk._checks import check_batch
+from ggnchunk._distributed import resolve_group
+from ggnchunk._engine import Problem, model_lock
+from ggnchunk._quantities import OutputVariance
+
+__all__ = ["output_variance"]
+
+
+def _batch_size(inputs: Any) -> int:
+    """``N``: axis 0 of the input tensor (of the first tensor among tuple/dict inputs)."""
+    stack = [inputs]
+    while stack:
+        value = stack.pop(0)
+        if isinstance(value, Tensor):
+            if value.dim() == 0 or value.shape[0] == 0:
+                raise ValueError(
+                    f"inputs has shape {tuple(value.shape)}: the batch is empty or has "
+                    "no batch axis. Pass at least one sample, batch on axis 0."
+                )
+            return int(value.shape[0])
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+    raise TypeError(
+        "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list of model "
+        f"arguments (model(*inputs)) or a dict (model(**inputs)); got "
+        f"{type(inputs).__name__} without tensors."
+    )
+
+
+def _check_variance(problem: Problem, variance: object) -> list[Tensor]:
+    """The posterior variance as one tensor per trainable parameter, checked."""
+    names, params = problem.names, problem.params
+    total = sum(p.numel() for p in params)
+    if isinstance(variance, Mapping):
+        missing = [n for n in names if n not in variance]
+        extra = [k for k in variance if k not in set(names)]
+        if missing or extra:
+            raise ValueError(
+                f"posterior_variance has no entry for {missing[:3]} and entries for "
+                f"{extra[:3]} that are not trainable parameters; pass one tensor per "
+                "trainable parameter, keyed as model.named_parameters() (as diag_ggn "
+                "returns them), or a flat tensor."
+            )
+        values = [variance[n] for n in names]
+    elif isinstance(variance, Tensor):
+        if variance.dim() != 1 or variance.numel() != total:
+            raise ValueError(
+                f"posterior_variance has shape {tuple(variance.shape)}; a flat tensor "
+                f"needs shape [{total}] (the trainable parameters, flattened in "
+                "named_parameters() order), or pass a dict of per-parameter tensors."
+            )
+        values = list(torch.split(variance, [p.numel() for p in params]))
+    else:
+        raise TypeError(
+            "posterior_variance must be a flat tensor or a dict {parameter name: tensor}, "
+            f"got {type(variance).__name__}."
+        )
+    checked = []
+    for name, param, value in zip(names, params, values, strict=True):
+        if not isinstance(value, Tensor) or value.numel() != param.numel():
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value)
+            raise ValueError(
+                f"posterior_variance[{name!r}] has shape {shape}, but the parameter has "
+                f"shape {tuple(param.shape)}."
+            )
+        if value.device != param.device:
+            raise ValueError(
+                f"posterior_variance is on {value.device} but the model is on "
+                f"{param.device}; move it with .to({str(param.device)!r})."
+            )
+        if not value.dtype.is_floating_point:
+            raise ValueError(
+                f"posterior_variance has dtype {value.dtype}; pass floating-point "
+                "variances."
+            )
+        if bool((value < 0).any()) or not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"posterior_variance[{name!r}] has negative or non-finite entries; "
+                "variances must be finite and non-negative."
+            )
+        checked.append(value.detach().reshape(param.shape).to(param.dtype))
+    return checked
+
+
+def output_variance(
+    model: nn.Module,
+    inputs: Tensor,
+    posterior_variance: Tensor | Mapping[str, Tensor],
+    *,
+    num_chunks: int | None = None,
+    chunk_size: int | str | None = None,
+    max_memory: int | str | None = None,
+    batch_chunk_size: int | None = None,
+    recover_oom: bool = True,
+    distributed: bool = False,
+    return_report: bool = False,
+) -> Tensor | tuple[Tensor, GGNReport]:
+    r"""Predictive variance of every output under a diagonal posterior (linearized).
+
+    For a Gaussian posterior with diagonal covariance ``diag(s)`` over the trainable
+    parameters (a diagonal Laplace approximation), the variance of the linearized model's
+    output coordinate ``m`` for sample ``n`` is ``Var f_nm = sum_p J_nmp**2 s_p``, with
+    ``J_n`` the Jacobian of sample ``n``'s output w.r.t. the parameters — the diagonal of
+    laplace-torch's ``glm`` functional variance ``J diag(s) J^T`` without forming it
+    (``[N, M, M]``) or the Jacobians (``[N, M, P]``). Exact.
+
+    The output coordinates are the columns, chunked exactly as :func:`diag_ggn`'s columns
+    (the same options and memory budget): one forward pass, then one backward pass per
+    chunk of output coordinates. No loss is needed.
+
+    Args:
+        model: As in :func:`diag_ggn`.
+        inputs: Model inputs, batch on axis 0 (a tensor, or a tuple/list or dict of
+            model arguments as in :func:`diag_ggn`).
+        posterior_variance: ``s``: a flat tensor ``[P]`` over the trainable parameters in
+            ``named_parameters()`` order (laplace-torch's ``posterior_variance``), or a
+            dict ``{name: tensor of the parameter's shape}``; finite, non-negative.
+        num_chunks: As in :func:`diag_ggn` (over output coordinates).
+        chunk_size: As in :func:`diag_ggn`.
+        max_memory: As in :func:`diag_ggn`.
+        batch_chunk_size: As in :func:`diag_ggn`.
+        recover_oom: As in :func:`diag_ggn`.
+        distributed: As in :func:`diag_ggn` (ranks share the output coordinates).
+        return_report: Also return a :class:`GGNReport`.
+
+    Returns:
+        ``[N, *output_shape]`` variances (the model output's shape, dtype and device);
+        with ``return_report=True``, the pair ``(variance, report)``.
+
+    Raises:
+        TypeError: For arguments of the wrong type (the message names the argument).
+        ValueError: For a posterior variance that does not fit the parameters, and
+            everything :func:`diag_ggn` refuses about the model and chunk options.
+
+    Example:
+        >>> import torch, ggnchunk
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> s = torch.full((sum(p.numel() for p in model.parameters()),), 1e-2)
+        >>> var = ggnchunk.output_variance(model, torch.randn(5, 4), s, num_chunks=2)
+        >>> tuple(var.shape)
+        (5, 3)
+    """
+    options = ChunkOptions(
+        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
+    )
+    problem = Problem.build(model, None)
+    variance = _check_variance(problem, posterior_variance)
+    size = _batch_size(inputs)
+    placeholder = problem.params[0].new_zeros(size)
+    batch = check_batch(
+        list(zip(problem.names, problem.params, strict=True)), inputs, placeholder
+    )
+    group = resolve_group(True, model) if options.distributed else None
+    spec = partial(OutputVariance, variance=variance)
+    with model_lock(model), torch.autocast(problem.device.type, enabled=False):
+        quantity, _, _, report = _compute(problem, batch, None, options, 1.0, spec, group)
+    result = quantity.final()
+    return (result, report) if return_report else result
