@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, _evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
+from ggnchunk._quantities import Sampling
 from ggnchunk._sqrt_hessians import as_loss_module
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
@@ -203,6 +204,10 @@ class DiagGGNAccumulator:
         dict_key_x: Key of the batched input tensor in dict batches passed to
             :meth:`update` (laplace-torch's convention).
         dict_key_y: Key of the targets in dict batches passed to :meth:`update`.
+        mc_samples: Monte-Carlo estimate from this many sampled columns per batch
+            (see :func:`ggnchunk.diag_ggn`); ``None``: exact.
+        generator: With ``mc_samples``: one seed is drawn from it per batch
+            (``None``: one draw from the global RNG per batch).
         **options: Chunking options of :func:`ggnchunk.diag_ggn` (``num_chunks``,
             ``chunk_size``, ``max_memory``, ``batch_chunk_size``, ``recover_oom``),
             used for every batch.
@@ -226,8 +231,12 @@ class DiagGGNAccumulator:
         *,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
+        mc_samples: int | None = None,
+        generator: torch.Generator | None = None,
         **options: Any,
     ):
+        Sampling.of(mc_samples, generator)  # checked here, before any batch
+        self.mc_samples, self.generator = mc_samples, generator
         unknown = set(options) - set(self._OPTIONS)
         if unknown:
             raise TypeError(
@@ -271,8 +280,9 @@ class DiagGGNAccumulator:
             if whole:
                 model, inputs = mapping_call(self.model, inputs)
         result = _evaluate(
-            model, self.loss_func, inputs, targets, self._chunking, scale=1.0
-        )
+            model, self.loss_func, inputs, targets, self._chunking, scale=1.0,
+            sampling=Sampling.of(self.mc_samples, self.generator),
+        )  # fmt: skip
         names = [n.removeprefix("model.") for n in result.names] if whole else result.names
         if self._sum is None:
             self._sum = dict(zip(names, result.diagonal, strict=True))
@@ -396,7 +406,9 @@ def diag_ggn_dataset(
             initialized; ``True``: require one; ``False``: never communicate. Each rank
             iterates its own share (a ``DistributedSampler`` or the user's sharding);
             every rank ends with the same result.
-        **options: Chunking options of :func:`ggnchunk.diag_ggn` for every batch.
+        **options: Chunking options of :func:`ggnchunk.diag_ggn` for every batch, and
+            ``mc_samples``/``generator`` of :class:`DiagGGNAccumulator` (Monte-Carlo
+            columns, one seed per batch).
 
     Returns:
         One tensor per trainable parameter, keyed and ordered as

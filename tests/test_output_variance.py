@@ -118,7 +118,9 @@ def test_dict_variance_and_frozen_parameters():
     model[0].weight.requires_grad_(False)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     torch.manual_seed(4)
-    variance = {n: torch.rand_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    variance = {
+        n: torch.rand_like(p) for n, p in model.named_parameters() if p.requires_grad
+    }
     flat = torch.cat([variance[n].flatten() for n in names])
     expected = reference_output_variance(model, x, flat)
     result = ggnchunk.output_variance(model, x, variance, chunk_size=2)
@@ -167,7 +169,11 @@ def test_equals_laplace_torch_glm_functional_variance(likelihood, subset):
     torch.manual_seed(0)
     outputs = 3 if likelihood == "regression" else 4
     x = torch.randn(20, 5)
-    y = torch.randn(20, outputs) if likelihood == "regression" else torch.randint(0, 4, (20,))
+    y = (
+        torch.randn(20, outputs)
+        if likelihood == "regression"
+        else torch.randint(0, 4, (20,))
+    )
     loader = DataLoader(TensorDataset(x, y), batch_size=6)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, outputs))
     la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="diag",
