@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ggnchunk._api import ChunkOptions, GGNReport, _compute
 from ggnchunk._checks import check_batch
 from ggnchunk._distributed import resolve_group
-from ggnchunk._engine import Problem, model_lock
+from ggnchunk._engine import Problem, full_float32, model_lock
 from ggnchunk._quantities import OutputVariance
 
 __all__ = ["output_variance"]
@@ -174,7 +174,11 @@ def output_variance(
     )
     group = resolve_group(True, model) if options.distributed else None
     spec = partial(OutputVariance, variance=variance)
-    with model_lock(model), torch.autocast(problem.device.type, enabled=False):
+    with (
+        model_lock(model),
+        torch.autocast(problem.device.type, enabled=False),
+        full_float32(),
+    ):
         quantity, _, _, report = _compute(problem, batch, None, options, 1.0, spec, group)
     result = quantity.final()
     return (result, report) if return_report else result

@@ -146,8 +146,9 @@ def test_random_draws_one_seed_per_call():
         torch.testing.assert_close(first[name], again[name], rtol=1e-12, atol=1e-15)
     # with a generator, the global RNG is untouched
     state = torch.get_rng_state()
-    ggnchunk.diag_ggn(model, loss_func, x, y, mc_samples=3,
-                      generator=torch.Generator().manual_seed(5), batch_chunk_size=2)  # fmt: skip
+    seeded = torch.Generator().manual_seed(5)
+    ggnchunk.diag_ggn(model, loss_func, x, y, mc_samples=3, generator=seeded,
+                      batch_chunk_size=2)  # fmt: skip
     assert torch.equal(state, torch.get_rng_state())
     # without one, the global RNG advances by exactly one draw per call
     ggnchunk.diag_ggn(model, loss_func, x, y, mc_samples=3, batch_chunk_size=2)
