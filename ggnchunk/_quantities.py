@@ -425,6 +425,9 @@ class PerSampleDiagonal(_Products):
             self._parts = [self.result]
         return self.result
 
+    def _reduced(self) -> list[Tensor]:
+        return self.final()  # the sub-batches' parts joined first
+
 
 class OutputVariance(_Products):
     r"""Per-output variance under a diagonal posterior: ``sum_p (J_n^T e_m)_p**2 s_p``.
@@ -478,14 +481,21 @@ class OutputVariance(_Products):
         self._chunk = None
 
     def _reduced(self) -> list[Tensor]:
+        self._join()  # the sub-batches' parts joined first
         return [self.result]
 
     def absorb(self, later: Quantity) -> None:
         self._parts.append(later.result)
 
+    def _join(self) -> None:
+        if len(self._parts) > 1:
+            self.result = torch.cat(self._parts)
+            self._parts = [self.result]
+
     def final(self) -> Tensor:
-        result = torch.cat(self._parts) if len(self._parts) > 1 else self.result
-        return result.detach().view(result.shape[0], *self._shape[1:])
+        self._join()
+        result = self.result.detach()
+        return result.view(result.shape[0], *self._shape[1:])
 
 
 class KroneckerFactors(Quantity):

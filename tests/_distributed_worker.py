@@ -23,6 +23,11 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(10, 4), torch.randn(10, 5)
 
 
+def _variance(model: nn.Module) -> torch.Tensor:
+    total = sum(p.numel() for p in model.parameters())
+    return torch.linspace(0.01, 0.1, total)
+
+
 def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
@@ -53,6 +58,15 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             factors = ggnchunk.kron_ggn(model, loss_func, x, y, distributed=True,
                                         num_chunks=3)  # fmt: skip
             result = {name: (f.output, f.input) for name, f in factors.items()}
+        elif mode == "sub-batches":  # per-sample parts and output variances joined
+            per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
+                                           num_chunks=2, batch_chunk_size=4,
+                                           per_sample=True)  # fmt: skip
+            variance = ggnchunk.output_variance(
+                model, x, _variance(model), distributed=True, num_chunks=2,
+                batch_chunk_size=4,
+            )  # fmt: skip
+            result = {"per_sample": per_sample, "variance": variance}
         else:  # chunk-parallel: same batch everywhere, columns split over the ranks
             result = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
                                        num_chunks=2)  # fmt: skip

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ggnchunk
-from tests._distributed_worker import data, model_for, worker
+from tests._distributed_worker import _variance, data, model_for, worker
 from tests.reference import assert_diag_close
 
 pytestmark = pytest.mark.skipif(
@@ -101,3 +101,17 @@ def test_kron_factors_on_two_ranks_equal_one_process():
         for name, (output, inputs) in result.items():
             assert torch.allclose(output, expected[name].output, rtol=1e-5, atol=1e-8)
             assert torch.allclose(inputs, expected[name].input, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.slow
+def test_sub_batches_on_two_ranks_equal_one_process():
+    """Per-sample diagonals and output variances: sub-batches joined before the sum."""
+    x, y = data()
+    model = model_for(0, False)
+    per_sample = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, per_sample=True)
+    variance = ggnchunk.output_variance(model, x, _variance(model))
+    results, errors = _run("sub-batches")
+    assert not errors, errors[0]
+    for rank, result in enumerate(results):
+        assert_diag_close(result["per_sample"], per_sample, rtol=1e-5, label=f"rank {rank}")
+        torch.testing.assert_close(result["variance"], variance, rtol=1e-5, atol=1e-8)
