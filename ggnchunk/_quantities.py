@@ -15,15 +15,17 @@ merged over the sub-batches of a call (:meth:`Quantity.absorb`) and over the ran
 column-parallel call (:meth:`Quantity.all_reduce`), and what its columns are
 (:meth:`Quantity.factorize`).
 
-=====================  =========================================================  =====
-quantity               per forward pass                                           merge
-=====================  =========================================================  =====
-:class:`DiagonalGGN`   ``sum_{v,n} (J_n^T G[v, n])**2`` per parameter             sum
-:class:`PerSampleDiag` ``sum_v (J_n^T G[v, n])**2``, ``[N, *param]``              cat
-:class:`KroneckerFactors`output factors ``sum_{v,n} g g^T`` and input factors       sum
-:class:`OutputVar`     ``sum_p (J_n^T e_m)_p**2 s_p``, ``[N, *output]``           cat
-:class:`Gradient`      ``J^T dL/df`` (one vector, no column axis)                 sum
-=====================  =========================================================  =====
+- :class:`DiagonalGGN`: ``sum_{v,n} (J_n^T G[v, n])**2`` per parameter; summed.
+- :class:`PerSampleDiagonal`: ``sum_v (J_n^T G[v, n])**2``, ``[N, *param]``; the
+  sub-batches' parts concatenated (before the ranks' sum).
+- :class:`KroneckerFactors`: output factors ``sum_{v,n} g g^T`` (summed over chunks,
+  sub-batches and ranks) and input factors (once per forward pass; summed over
+  sub-batches only).
+- :class:`OutputVariance`: ``sum_p (J_n^T e_m)_p**2 s_p``, ``[N, *output]``;
+  concatenated, then summed over the ranks (each holds its output coordinates).
+- :class:`Gradient`: ``J^T dL/df`` (one vector, no column axis); summed.
+
+Monte-Carlo columns (:class:`Sampling`) replace the exact square root for any of them.
 """
 
 from __future__ import annotations

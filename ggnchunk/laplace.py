@@ -16,6 +16,11 @@ parameters in order. Last-layer Laplace (``last_layer=True``) computes the featu
 the feature extractor and the diagonal of the last layer only. No hooks stay on the
 model, so laplace-torch's ``glm`` predictive (``torch.func``) works after ``fit``.
 
+``ChunkedGGN(stochastic=True, num_samples=k)`` gives unbiased Monte-Carlo estimates from
+``k`` sampled columns per batch (see ``mc_samples`` of :func:`ggnchunk.diag_ggn`).
+:func:`output_variance` takes a fitted diagonal Laplace and returns the per-output
+diagonal of its ``glm`` functional variance without Jacobians.
+
 Inputs follow laplace-torch's backends too: a tensor is called as ``model(x)``; a dict
 (a Hugging Face-style batch, any ``MutableMapping``) is passed whole, ``model(x)``, and
 must hold the batched input tensor under ``dict_key_x`` (laplace-torch's
