@@ -153,7 +153,7 @@ def output_variance(
         ValueError: For a posterior variance that does not fit the parameters, and
             everything :func:`diag_ggn` refuses about the model and chunk options.
 
-    Example:
+    Examples:
         >>> import torch, ggnchunk
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
