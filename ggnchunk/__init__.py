@@ -4,6 +4,7 @@ The public API is exactly what this module exports.
 """
 
 from ggnchunk._api import GGNReport, diag_ggn, kron_ggn, loss_grad_and_diag_ggn
+from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._autograd import warm_up as _warm_up
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._kron import KronFactors
@@ -68,6 +69,7 @@ __all__ = [
     "OutOfMemoryRecoveryWarning",
     # warnings
     "NotConvexWarning",
+    "SlowBackwardWarning",
     # measuring memory
     "measure_peak_memory",
     "PeakMemory",

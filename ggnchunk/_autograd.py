@@ -14,8 +14,10 @@ attributes.
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -27,11 +29,13 @@ __all__ = [
     "Edge",
     "GradientEdge",
     "Node",
+    "SlowBackwardWarning",
     "accumulated_variable",
     "batched_grad",
     "blocked",
     "edge_key",
     "edge_of",
+    "noting",
     "plain_grad",
     "quiet_autograd",
 ]
@@ -40,9 +44,13 @@ Edge = GradientEdge
 EdgeKey = tuple[int, int]
 Target = Tensor | GradientEdge
 
+_FALLBACK = (
+    r"There is a performance drop because we have not yet implemented the batching rule"
+)
+_FALLBACK_OPERATION = re.compile(_FALLBACK + r" for (\S+?)\.(\s|$)")
 _HARMLESS = (
     # vmap falls back to a loop for a few backward formulas; still exact.
-    r"There is a performance drop because we have not yet implemented the batching rule",
+    _FALLBACK,
     # torch's own notice when a module's inputs do not require grad.
     r"Full backward hook is firing when gradients are computed with respect to module",
 )
@@ -100,10 +108,40 @@ def accumulated_variable(node: Node) -> Tensor | None:
     return None
 
 
+class SlowBackwardWarning(UserWarning):
+    """The backward sweeps run an operation once per column (torch has no batched form).
+
+    Exact, but it can make a call many times slower; the message names the operation
+    and where in the model it is.
+    """
+
+
+_NOTING = threading.local()
+
+
+@contextlib.contextmanager
+def noting(note: Callable[[str], None]) -> Iterator[None]:
+    """Give ``note`` to every :func:`batched_grad` of this thread inside the block.
+
+    Args:
+        note: Called with the operations vmap ran once per vector.
+
+    Yields:
+        Nothing.
+    """
+    previous = getattr(_NOTING, "note", None)
+    _NOTING.note = note
+    try:
+        yield
+    finally:
+        _NOTING.note = previous
+
+
 def batched_grad(
     outputs: Sequence[Target],
     inputs: Sequence[Target],
     grad_outputs: Sequence[Tensor],
+    note: Callable[[str], None] | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Backpropagate a batch of vectors (leading axis) from ``outputs`` to ``inputs``.
 
@@ -111,19 +149,48 @@ def batched_grad(
         outputs: Tensors or gradient edges where the vectors start.
         inputs: Tensors or gradient edges where they are wanted.
         grad_outputs: One ``[V, *output_shape]`` tensor per output.
+        note: Called with the name of every operation (``"aten::..."``) that torch's
+            batching ran once per vector (its fallback for kernels without a batching
+            rule; torch reports it only when asked, which this does for the call).
 
     Returns:
         One ``[V, *input_shape]`` tensor per input (``None`` where unreachable).
     """
-    with quiet_autograd():
-        return torch.autograd.grad(
-            list(outputs),
-            list(inputs),
-            grad_outputs=list(grad_outputs),
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
-        )
+    note = note or getattr(_NOTING, "note", None)
+    if note is None:
+        with quiet_autograd():
+            return _batched(outputs, inputs, grad_outputs)
+    enabled = torch._C._debug_only_are_vmap_fallback_warnings_enabled()
+    torch._C._debug_only_display_vmap_fallback_warnings(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message=_FALLBACK + ".*")
+            warnings.filterwarnings("ignore", message=_HARMLESS[1] + ".*")
+            result = _batched(outputs, inputs, grad_outputs)
+    finally:
+        torch._C._debug_only_display_vmap_fallback_warnings(enabled)
+    for item in caught:
+        match = _FALLBACK_OPERATION.search(str(item.message))
+        if match is not None:
+            note(match.group(1))
+        else:  # not ours: shown as it would have been
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+    return result
+
+
+def _batched(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+) -> tuple[Tensor | None, ...]:
+    return torch.autograd.grad(
+        list(outputs),
+        list(inputs),
+        grad_outputs=list(grad_outputs),
+        retain_graph=True,
+        allow_unused=True,
+        is_grads_batched=True,
+    )
 
 
 def plain_grad(

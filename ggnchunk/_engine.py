@@ -28,6 +28,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
+from ggnchunk._attention import folded_attention
 from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
@@ -367,7 +368,7 @@ class GGNComputation:
                 changed in place, or samples influence each other.
         """
         problem = self._problem
-        with torch.enable_grad():
+        with torch.enable_grad(), folded_attention():  # attention crossed batched
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):

@@ -26,6 +26,7 @@ through the glue that uses it) that are added over its uses before squaring.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,18 +34,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ggnchunk._attention import attention_workspace
 from ggnchunk._autograd import (
     EdgeKey,
     GradientEdge,
+    SlowBackwardWarning,
     accumulated_variable,
     batched_grad,
+    noting,
     edge_key,
     edge_of,
 )
+from ggnchunk._checks import user_stacklevel
 from ggnchunk._quantities import Quantity
 from ggnchunk._rules import LayerRule, RuleContext
 
-__all__ = ["Call", "Recording", "SampleCouplingError"]
+__all__ = ["Call", "Recording", "SampleCouplingError", "SlowBackwardWarning"]
 
 
 class SampleCouplingError(ValueError):
@@ -81,6 +86,7 @@ class _Source:
     direct: bool = False  # the source is a layer output itself (no glue in between)
     frontier: list[GradientEdge] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # parameter indices used in the glue
+    workspace: int = 0  # elements per column its nodes allocate (folded attention)
 
 
 class Recording:
@@ -116,6 +122,8 @@ class Recording:
         self._out_keys: dict[EdgeKey, int] = {}
         self.shared: set[int] = set()
         self.output_key: EdgeKey | None = None
+        self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
+        self._warned = False
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -224,11 +232,47 @@ class Recording:
             self._walk(source)
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
+        self._stop_without_parameters()
         self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
         self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
+
+    def _stop_without_parameters(self) -> None:
+        """Cut the sweeps where no trainable parameter is upstream.
+
+        A call whose input depends on no trainable parameter (only on inputs that
+        require grad, or frozen parts) passes nothing back, and a glue region leaves out
+        the layer outputs behind which nothing is trained: no backward work there.
+        """
+        reach: dict[int, bool] = {}  # call index -> a trainable parameter at or before it
+        behind: dict[EdgeKey, bool] = {}  # source -> a trainable parameter behind it
+
+        def upstream(key: EdgeKey) -> bool:
+            if key not in behind:
+                source = self._sources[key]
+                if source.direct:
+                    behind[key] = reach[self._out_keys[key]]
+                else:
+                    behind[key] = bool(source.params) or any(
+                        reach[self._out_keys[edge_key(e)]] for e in source.frontier
+                    )
+            return behind[key]
+
+        for call in self.calls:  # forward order: every call upstream is settled
+            back = call.source is not None and upstream(edge_key(call.source))
+            reach[call.index] = bool(call.params) or back
+            if call.source is not None and not back:
+                call.leaf = call.source = None  # nothing to pass back to
+        for source in self._sources.values():
+            source.frontier = [
+                e for e in source.frontier if reach[self._out_keys[edge_key(e)]]
+            ]
+        self._sources = {
+            key: source for key, source in self._sources.items()
+            if key == self.output_key or behind.get(key, False)
+        }  # fmt: skip
 
     def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
         source = self._sources.get(key)
@@ -252,6 +296,7 @@ class Recording:
             if current is None or id(current) in seen:
                 continue
             seen.add(id(current))
+            source.workspace += attention_workspace(current)
             variable = accumulated_variable(current)
             if variable is not None:
                 if id(variable) in self._param_index:
@@ -299,7 +344,7 @@ class Recording:
                 return
             ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
             added = sum(call.out_numel for call in ends)
-            buffers = 2 * (size + added)
+            buffers = 2 * (size + added) + -(-source.workspace // n)
             if source.params:
                 buffers += size + sum(self._params[i].numel() for i in source.params)
             settle(size + added + buffers)
@@ -312,7 +357,7 @@ class Recording:
             size = live.get(("out", key))
             if size is None:
                 continue
-            rule = call.rule.column_bytes(call.ctx, element) // (element * n)
+            rule = _rule_bytes(call, element)[0] // (element * n)
             shared = sum(
                 self._params[i].numel() for i, _ in call.params if i in self.shared
             )
@@ -346,12 +391,10 @@ class Recording:
             An upper bound.
         """
         kept = sum(
-            max(0, call.rule.fixed_bytes(call.ctx, element) - _held_bytes(call.ctx))
+            max(0, _rule_bytes(call, element)[1] - _held_bytes(call.ctx))
             for call in self.calls
         )
-        transient = max(
-            (call.rule.transient_bytes(call.ctx, element) for call in self.calls), default=0
-        )
+        transient = max((_rule_bytes(call, element)[2] for call in self.calls), default=0)
         return kept + transient
 
     # -- sweeps ----------------------------------------------------------------------
@@ -381,10 +424,12 @@ class Recording:
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
             if source.frontier:
-                results = quantity.through(source, grads)
+                with noting(self._note(source)):
+                    results = quantity.through(source, grads)
                 found = list(zip(source.frontier, results, strict=True))
             if source.params:
-                quantity.glue(self, source, grads)
+                with noting(self._note(source)):
+                    quantity.glue(self, source, grads)
             return found
 
         def layer(call: Call, grads: Tensor) -> Tensor | None:
@@ -394,6 +439,7 @@ class Recording:
             return quantity.backprop(self, call, grads)
 
         self._traverse(seed, layer, glue, visit)
+        self._warn_fallbacks()
         quantity.end(self)
 
     def backprop(self, call: Call, grads: Tensor) -> Tensor:
@@ -414,8 +460,48 @@ class Recording:
                 return back.expand(back.shape[0], n, *back.shape[2:])
         back = call.rule.backprop(call.ctx, grads)
         if back is None:
-            (back,) = batched_grad([call.out_edge], [call.leaf], [grads])
+            (back,) = batched_grad([call.out_edge], [call.leaf], [grads], self._note(call))
         return back
+
+    def _note(self, where: Call | _Source) -> Callable[[str], None]:
+        """Remember an operation that vmap ran once per column, and where."""
+
+        def note(operation: str) -> None:
+            if operation in self.fallbacks or _elementwise(operation):
+                return
+            if isinstance(where, Call):
+                place = f"{_display(where.name)} ({type(where.ctx.module).__name__})"
+            else:
+                ends = [
+                    _display(self.calls[self._out_keys[edge_key(e)]].name)
+                    for e in where.frontier
+                ]
+                after = f" after {', '.join(ends[:3])}" if ends else ""
+                before = (
+                    "the model output" if where.last_consumer >= len(self.calls)
+                    else f"the input of {_display(self.calls[where.last_consumer].name)}"
+                )  # fmt: skip
+                place = f"the operations before {before}{after}"
+            self.fallbacks[operation] = place
+
+        return note
+
+    def _warn_fallbacks(self) -> None:
+        """Say once which operations the sweeps run once per column (slow, exact)."""
+        if self._warned or not self.fallbacks:
+            return
+        self._warned = True
+        found = "; ".join(f"{op} in {where}" for op, where in self.fallbacks.items())
+        warnings.warn(
+            f"torch has no batched backward for {found}: the backward sweeps run it once "
+            "per square-root column, which is exact but can be many times slower. Layers "
+            "with a rule (see ggnchunk.supported_layers_table()), frozen or not, and "
+            "F.scaled_dot_product_attention without dropout are crossed by all columns "
+            "at once: use those modules instead of functional calls or custom layers "
+            "there, or call model.eval() if dropout inside attention is the cause.",
+            SlowBackwardWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _traverse(
         self,
@@ -553,6 +639,42 @@ class Recording:
 
 
 _BOUNDED_CACHES = ("patches", "gram", "x_hat", "normalized")  # what fixed bounds count
+
+
+def _elementwise(operation: str) -> bool:
+    """Whether vmap's per-column loop over ``operation`` costs only kernel launches.
+
+    Elementwise backward kernels (activations, copies) do the same work looped as
+    batched; the warning is for the kernels whose loop is the slow part (convolutions,
+    normalizations, attention, pooling, resampling).
+    """
+    name = operation.removeprefix("aten::")
+    return (
+        name in _ELEMENTWISE
+        or name.endswith(("_backward", "_backward_out"))
+        and (name.removesuffix("_out").removesuffix("_backward") in _ACTIVATIONS)
+    )
+
+
+_ELEMENTWISE = frozenset({"copy_", "clone", "where", "masked_fill", "mul", "div"})
+_ACTIVATIONS = frozenset({
+    "tanh", "sigmoid", "threshold", "gelu", "silu", "hardsigmoid", "hardswish",
+    "hardtanh", "leaky_relu", "elu", "softplus", "mish", "log_sigmoid", "rrelu_with_noise",
+    "softshrink", "hardshrink", "prelu_kernel",
+})  # fmt: skip
+
+
+def _rule_bytes(call: Call, element: int) -> tuple[int, int, int]:
+    """A call's rule bytes: per column, fixed and transient (backprop only if frozen)."""
+    rule, ctx = call.rule, call.ctx
+    if call.params:
+        return (
+            rule.column_bytes(ctx, element), rule.fixed_bytes(ctx, element),
+            rule.transient_bytes(ctx, element),
+        )  # fmt: skip
+    if call.leaf is None:  # nothing to do at all
+        return 0, 0, 0
+    return rule.backprop_bytes(ctx, element)
 
 
 def _held_bytes(ctx: RuleContext) -> int:

@@ -391,6 +391,19 @@ class LayerRule(ABC):
         """
         return 0
 
+    def backprop_bytes(self, ctx: RuleContext, element: int) -> tuple[int, int, int]:
+        """Bytes of :meth:`backprop` alone (a frozen layer): per column, fixed, transient.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            Upper bounds like :meth:`column_bytes`, :meth:`fixed_bytes` and
+            :meth:`transient_bytes` for a call that has no trainable parameter.
+        """
+        return self.column_bytes(ctx, element), 0, self.transient_bytes(ctx, element)
+
     def transient_bytes(self, ctx: RuleContext, element: int) -> int:
         """Bytes the rule allocates and frees within its step, whatever the chunk size.
 
@@ -508,6 +521,9 @@ class LinearRule(LayerRule):
         if x[0].numel() == x.shape[-1]:  # one position: squares summed, nothing blocked
             return 0
         return _BLOCK * element  # samples batched in the direct form (also when lean)
+
+    def backprop_bytes(self, ctx, element):  # one product with the weight
+        return self.column_bytes(ctx, element), 0, 0
 
 
 def _tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
@@ -722,6 +738,11 @@ class ConvRule(LayerRule):
     def transient_bytes(self, ctx, element):
         return self._sizes(ctx)[2] * element
 
+    def backprop_bytes(self, ctx, element):
+        weight = ctx.module.weight.numel()
+        reorder = weight if weight <= _SMALL_WEIGHT else 0
+        return self.column_bytes(ctx, element), 0, reorder * element
+
 
 class ConvTransposeRule(LayerRule):
     """``nn.ConvTranspose1d/2d/3d``: stride, padding, ``output_padding``, groups, dilation.
@@ -891,6 +912,9 @@ class _NormRule(LayerRule):
     def column_bytes(self, ctx, element):
         return 4 * math.prod(ctx.out_shape) * element
 
+    def backprop_bytes(self, ctx, element):  # the standardized input is kept
+        return self.column_bytes(ctx, element), self.fixed_bytes(ctx, element), 0
+
 
 class BatchNormRule(_NormRule):
     """``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics."""
@@ -917,6 +941,9 @@ class BatchNormRule(_NormRule):
 
     def column_bytes(self, ctx, element):
         return 2 * math.prod(ctx.out_shape) * element  # one product, one scaled copy
+
+    def backprop_bytes(self, ctx, element):  # nothing kept: running statistics only
+        return self.column_bytes(ctx, element), 0, 0
 
     def backprop(self, ctx, grads):
         module = ctx.module
@@ -1026,7 +1053,8 @@ class ActivationRule(LayerRule):
     """
 
     classes = (nn.ReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Hardswish,
-               nn.LeakyReLU, nn.ELU, nn.Softplus)  # fmt: skip
+               nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Hardsigmoid, nn.Hardtanh,
+               nn.Mish)  # fmt: skip
     param_names = ()
     description = "derivative once per pass, times all columns"
     param_free = True
@@ -1053,6 +1081,12 @@ class ActivationRule(LayerRule):
             return aten.leaky_relu_backward(ones, x, module.negative_slope, False)
         if isinstance(module, nn.ELU):
             return aten.elu_backward(ones, module.alpha, 1, 1, False, x)
+        if isinstance(module, nn.Hardsigmoid):
+            return aten.hardsigmoid_backward(ones, x)
+        if isinstance(module, nn.Hardtanh):  # also nn.ReLU6
+            return aten.hardtanh_backward(ones, x, module.min_val, module.max_val)
+        if isinstance(module, nn.Mish):
+            return aten.mish_backward(ones, x)
         return aten.softplus_backward(ones, x, module.beta, module.threshold)
 
     def backprop(self, ctx, grads):
@@ -1158,8 +1192,9 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     A module qualifies when its class (or a subclass that does not override ``forward``,
     such as ``nn.MultiheadAttention``'s output projection) runs the known layer's
     ``forward``, it is not parametrized (``torch.nn.utils.parametrize``), and its own
-    trainable parameters are among the rule's (``weight``, ``bias``). Anything else is
-    handled from the recorded graph.
+    trainable parameters are among the rule's (``weight``, ``bias``; none for a frozen
+    layer, whose rule then only maps the vectors back). Anything else is handled from
+    the recorded graph.
 
     Args:
         module: A module.
@@ -1174,8 +1209,7 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     for rule in RULES:
         for cls in rule.classes:
             if isinstance(module, cls) and forward is cls.forward:
-                if not own and not rule.param_free:
-                    return None  # a frozen layer: the recorded graph maps it back
+                # a frozen layer keeps its rule's backprop (no parameter products)
                 if set(own) <= set(rule.param_names):
                     return rule
                 return None

@@ -1,0 +1,222 @@
+r"""Attention that all columns of a chunk cross at once.
+
+The glue between layers is backpropagated by autograd, batched over the chunk's columns
+(``torch.autograd.grad(..., is_grads_batched=True)``). torch's batching has no rule for
+the backward kernels of ``F.scaled_dot_product_attention`` (flash, efficient or the CPU
+flash kernel), so it would run them once per column. While the engine's forward pass
+runs, :func:`folded_attention` routes every call of ``F.scaled_dot_product_attention``
+(also the one inside ``nn.MultiheadAttention``) through :class:`_FoldedAttention`: its
+forward is the user's call itself (same kernel, same arguments), its backward the exact
+math form of the attention's transposed Jacobian,
+
+.. math::
+
+    P = \operatorname{softmax}(s\,Q K^\top + M),\quad dV = P^\top dO,\quad
+    dS = P \odot (dO\,V^\top - \operatorname{rowsum}(P \odot dO\,V^\top)),\quad
+    dQ = s\,dS\,K,\quad dK = s\,dS^\top Q,
+
+written with the operations torch's batching does have rules for (3-d ``bmm``,
+elementwise maths), so that the columns are one batched computation. ``P`` is recomputed
+from the recorded ``Q``, ``K`` (no user code runs again). Calls it cannot reproduce
+exactly are left as they are: dropout inside attention (``dropout_p > 0``: its draws),
+a float mask that requires grad, grouped-query attention with fewer key heads, nested
+tensors, inputs whose leading axes differ.
+
+Only the thread that runs the engine's forward pass is affected (torch function modes
+are thread-local), and only while that forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["attention_workspace", "folded_attention"]
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")  # fmt: skip
+
+
+class _FoldedAttention(torch.autograd.Function):
+    """``scaled_dot_product_attention`` with a backward that batches over columns."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale):
+        out = _SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.is_causal = is_causal
+        ctx.scale = q.shape[-1] ** -0.5 if scale is None else scale
+        ctx.workspace = _workspace(q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask = ctx.saved_tensors
+        lead, (length, dim), (keys, dim_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+        b = math.prod(lead)
+        q3, k3, v3 = (
+            q.reshape(b, length, dim),
+            k.reshape(b, keys, dim),
+            v.reshape(b, keys, dim_v),
+        )
+        # not per column: the probabilities of the recorded forward pass
+        scores = torch.bmm(q3, k3.transpose(1, 2)) * ctx.scale
+        bias = _bias(mask, ctx.is_causal, lead, length, keys, scores)
+        if bias is not None:
+            scores = scores + bias
+        p = torch.softmax(scores, -1)
+        if bias is not None:  # rows without any key attended to: zero output
+            p = p.nan_to_num(0.0)
+        del scores, bias
+        # per column (batched by autograd): only bmm and elementwise maths
+        g = grad.reshape(b, length, dim_v)
+        dp = torch.bmm(g, v3.transpose(1, 2))
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        del dp
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq = (torch.bmm(ds, k3) * ctx.scale).reshape(q.shape) if need_q else None
+        dk = (
+            (torch.bmm(ds.transpose(1, 2), q3) * ctx.scale).reshape(k.shape)
+            if need_k
+            else None
+        )
+        dv = torch.bmm(p.transpose(1, 2), g).reshape(v.shape) if need_v else None
+        return dq, dk, dv, None, None, None
+
+
+def _bias(
+    mask: Tensor | None, is_causal: bool, lead: tuple[int, ...], length: int, keys: int,
+    like: Tensor,
+) -> Tensor | None:  # fmt: skip
+    """The additive mask ``[B, L, S]`` (``-inf`` where a bool mask is false), or None."""
+    if is_causal:
+        mask = torch.ones(length, keys, dtype=torch.bool, device=like.device).tril()
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~mask, -math.inf
+        )
+    return mask.to(like.dtype).expand(*lead, length, keys).reshape(like.shape)
+
+
+def _workspace(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Elements the backward allocates per column, at most (all samples together).
+
+    Per column: the reshaped vectors, ``dP``, its product with ``P``, the difference and
+    ``dS`` (and a transposed copy), ``dQ``, ``dK``, ``dV`` with their scaled copies, and
+    a copy of every fixed operand a batched product may expand; ``P`` and the scores
+    (once per backward, counted per column).
+    """
+    b = math.prod(q.shape[:-2])
+    length, dim = q.shape[-2:]
+    keys, dim_v = v.shape[-2:]
+    probs = b * length * keys
+    return 9 * probs + 3 * b * (length * dim + keys * dim) + 2 * b * (length + keys) * dim_v
+
+
+def attention_workspace(node: Any) -> int:
+    """Elements per column a node of the recorded graph allocates beyond its vectors.
+
+    Args:
+        node: An autograd node of the glue.
+
+    Returns:
+        The folded attention's workspace (all samples together), else 0.
+    """
+    if isinstance(node, _FoldedAttention._backward_cls):
+        return int(getattr(node, "workspace", 0))
+    return 0
+
+
+def _arguments(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    bound = dict(zip(_SDPA_ARGS, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in _SDPA_ARGS or key in bound:
+            return None
+        bound[key] = value
+    return bound
+
+
+def _fold(args: tuple, kwargs: dict) -> Tensor | None:
+    """The folded call, or ``None`` where it would not be the same computation."""
+    bound = _arguments(args, kwargs)
+    if bound is None or not torch.is_grad_enabled():
+        return None
+    q, k, v = (bound.get(name) for name in ("query", "key", "value"))
+    mask = bound.get("attn_mask")
+    if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in (q, k, v)):
+        return None
+    if any(t.is_nested for t in (q, k, v)) or not any(t.requires_grad for t in (q, k, v)):
+        return None
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
+        return None  # broadcast or grouped-query attention: left as it is
+    if q.shape[-1] != k.shape[-1] or not q.dtype.is_floating_point:
+        return None
+    if float(bound.get("dropout_p", 0.0)) != 0.0:
+        return None  # the draws cannot be reproduced
+    causal = bool(bound.get("is_causal", False))
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.requires_grad or causal:
+            return None
+        scores = (*q.shape[:-1], k.shape[-2])
+        try:
+            if torch.broadcast_shapes(mask.shape, scores) != scores:
+                return None
+        except RuntimeError:
+            return None
+    scale = bound.get("scale")
+    return _FoldedAttention.apply(q, k, v, mask, causal, scale)
+
+
+def _unchecked(function: types.FunctionType) -> types.FunctionType | None:
+    """``function``'s own code, without its entry ``has_torch_function`` dispatch.
+
+    ``F.multi_head_attention_forward`` hands itself to an active torch function mode
+    as a whole; run as this copy, its inner ``scaled_dot_product_attention`` call
+    reaches the mode instead.
+    """
+    names = function.__code__.co_names
+    if "has_torch_function" not in names or function.__code__.co_freevars:
+        return None
+    scope = {**function.__globals__, "has_torch_function": lambda *_: False}
+    copy = types.FunctionType(
+        function.__code__, scope, function.__name__, function.__defaults__
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+class _Folding(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            folded = _fold(args, kwargs)
+            if folded is not None:
+                return folded
+        elif func is F.multi_head_attention_forward:
+            inner = _unchecked(func)
+            if inner is not None:
+                with self:
+                    return inner(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def folded_attention() -> Iterator[None]:
+    """Route this thread's attention calls through the folded backward (for one forward).
+
+    Yields:
+        Nothing.
+    """
+    with _Folding():
+        yield
