@@ -648,12 +648,8 @@ def _elementwise(operation: str) -> bool:
     batched; the warning is for the kernels whose loop is the slow part (convolutions,
     normalizations, attention, pooling, resampling).
     """
-    name = operation.removeprefix("aten::")
-    return (
-        name in _ELEMENTWISE
-        or name.endswith(("_backward", "_backward_out"))
-        and (name.removesuffix("_out").removesuffix("_backward") in _ACTIVATIONS)
-    )
+    name = operation.removeprefix("aten::").removesuffix("_out")
+    return name in _ELEMENTWISE or name.removesuffix("_backward") in _ACTIVATIONS
 
 
 _ELEMENTWISE = frozenset({"copy_", "clone", "where", "masked_fill", "mul", "div"})

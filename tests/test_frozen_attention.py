@@ -1,0 +1,377 @@
+"""Frozen layers, attention and the sweeps' fast path, against the float64 brute force.
+
+Frozen layers keep their rule's backprop; attention (``F.scaled_dot_product_attention``,
+``nn.MultiheadAttention``) is crossed by all columns at once; the sweeps stop where no
+trainable parameter is upstream; an operation torch's batching loops over is named once
+(``SlowBackwardWarning``). Each case is compared with ``tests/reference.py`` in every
+chunking mode, and the fast path is checked directly (no per-column loop, counted calls)
+so that it cannot fall off silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import ggnchunk
+from ggnchunk import _rules
+from ggnchunk._checks import Batch
+from ggnchunk._engine import GGNComputation, Problem
+from tests.real_models import Problem as Case
+from tests.real_models import _randomize_norms
+from tests.reference import assert_diag_close, reference_diag_ggn, reference_kron
+
+N = 2
+
+
+def _freeze(model: nn.Module, trainable: tuple[str, ...]) -> nn.Module:
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(trainable))
+    return model
+
+
+class Out(nn.Module):
+    """A segmentation model's ``["out"]``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
+def _lraspp() -> Case:
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3
+    )
+    model = Out(_randomize_norms(model).double().eval())
+    _freeze(model, ("model.backbone.1.", "model.classifier.low", "model.classifier.high"))
+    x = torch.randn(N, 3, 16, 16, dtype=torch.float64)
+    return Case(model, nn.CrossEntropyLoss(), x, torch.randint(0, 3, (N, 16, 16)))
+
+
+def _resnet() -> Case:
+    model = torchvision.models.resnet18(weights=None, num_classes=3)
+    model = _freeze(_randomize_norms(model).double().eval(), ("layer1.0.", "fc."))
+    x = torch.randn(N, 3, 32, 32, dtype=torch.float64)
+    return Case(model, nn.CrossEntropyLoss(), x, torch.tensor([0, 2]))
+
+
+class Norms(nn.Module):
+    """Frozen Conv, GroupNorm, LayerNorm (with or without affine) among trained layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)  # frozen
+        self.gn_plain = nn.GroupNorm(2, 4, affine=False)
+        self.ln = nn.LayerNorm(16)
+        self.bias_only = nn.Linear(16, 8)  # only its bias trains
+        self.ln_plain = nn.LayerNorm(8, elementwise_affine=False)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.gn(self.conv1(x)))
+        h = self.gn_plain(self.conv2(h)).flatten(2)  # [N, 4, 16]
+        h = self.ln_plain(self.bias_only(self.ln(h)))  # [N, 4, 8]
+        return self.head(self.bn(h).flatten(1))
+
+
+def _norms() -> Case:
+    model = _randomize_norms(Norms()).double().eval()
+    for module in (model.gn, model.conv2, model.ln, model.bn):
+        module.requires_grad_(False)
+    model.bias_only.weight.requires_grad_(False)
+    x = torch.randn(N + 1, 2, 4, 4, dtype=torch.float64)
+    return Case(model, nn.CrossEntropyLoss(), x, torch.tensor([0, 2, 1]))
+
+
+class Encoder(nn.Module):
+    """``nn.TransformerEncoderLayer`` on ``[N, L, E]`` (transposed if not batch_first)."""
+
+    def __init__(self, batch_first: bool, frozen_attention: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.layer = nn.TransformerEncoderLayer(
+            8, 2, 16, dropout=0.1, batch_first=batch_first, norm_first=not batch_first
+        )
+        self.head = nn.Linear(8, 3)
+        if frozen_attention:
+            self.layer.self_attn.requires_grad_(False)
+            self.layer.norm1.requires_grad_(False)
+
+    def forward(self, x):
+        if not self.batch_first:
+            return self.head(self.layer(x.transpose(0, 1)).transpose(0, 1)).transpose(1, 2)
+        return self.head(self.layer(x)).transpose(1, 2)
+
+
+def _encoder(batch_first: bool, frozen_attention: bool) -> Case:
+    model = _randomize_norms(Encoder(batch_first, frozen_attention)).double().eval()
+    x = torch.randn(N + 1, 5, 8, dtype=torch.float64)
+    return Case(model, nn.CrossEntropyLoss(), x, torch.randint(0, 3, (N + 1, 5)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(n, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, d))
+        return x + self.out(self.act(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2 style: token and learned position embeddings, causal SDPA, per-token logits."""
+
+    def __init__(self, vocab: int = 11, tokens: int = 6, dim: int = 8, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, tokens, dim) * 0.1)
+        self.blocks = nn.Sequential(*[Block(dim, 2) for _ in range(layers)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        h = self.blocks(self.embed(idx) + self.pos)
+        return self.head(self.ln(h)).transpose(1, 2)  # [N, vocab, T] for cross-entropy
+
+
+def _gpt(trainable: tuple[str, ...] | None = None) -> Case:
+    model = _randomize_norms(TinyGPT()).double().eval()
+    if trainable is not None:
+        _freeze(model, trainable)
+    # 4 samples: sub-batches of 2 (a sub-batch of one sample with the glue's position
+    # table is issue 21's separate in-place bug)
+    idx = torch.randint(0, 11, (4, 6))
+    return Case(model, nn.CrossEntropyLoss(), idx, torch.randint(0, 11, (4, 6)))
+
+
+CASES = {
+    "lraspp-partly-frozen": _lraspp,
+    "resnet18-frozen-backbone": _resnet,
+    "frozen-norms-conv": _norms,
+    "encoder-batch-first-frozen-attention": lambda: _encoder(True, True),
+    "encoder-seq-first": lambda: _encoder(False, False),
+    "tiny-gpt": _gpt,
+    "tiny-gpt-frozen-blocks": lambda: _gpt(("blocks.1.out", "head.", "pos")),
+}
+CHUNKINGS = {
+    "onepass": {"num_chunks": 1},
+    "chunks3": {"num_chunks": 3},
+    "chunk_size1": {"chunk_size": 1},
+    "max_memory": {"max_memory": "256MiB"},
+    "batch_chunks": {"batch_chunk_size": 2, "num_chunks": 2},
+}
+BIG = {"lraspp-partly-frozen"}  # 768 columns per sample: chunk_size=1 is too slow
+
+
+def _make(case: str) -> Case:
+    torch.manual_seed(0)
+    return CASES[case]()
+
+
+@functools.cache
+def _expected(case: str) -> dict[str, torch.Tensor]:
+    problem = _make(case)
+    return reference_diag_ggn(problem.model, problem.loss_func, problem.inputs,
+                              problem.targets)  # fmt: skip
+
+
+PARAMS = [
+    pytest.param(case, chunking, id=f"{case}-{chunking}")
+    for case in CASES
+    for chunking in CHUNKINGS
+    if not (case in BIG and chunking == "chunk_size1")
+]
+
+
+@pytest.mark.parametrize(("case", "chunking"), PARAMS)
+def test_float64_matches_brute_force(case, chunking):
+    problem = _make(case)
+    actual = ggnchunk.diag_ggn(
+        problem.model, problem.loss_func, problem.inputs, problem.targets,
+        **CHUNKINGS[chunking],
+    )  # fmt: skip
+    assert_diag_close(actual, _expected(case), rtol=1e-9, label=f"{case} {chunking}")
+
+
+@pytest.mark.parametrize("case", ["frozen-norms-conv", "tiny-gpt-frozen-blocks"])
+def test_per_sample_diagonals(case):
+    problem = _make(case)
+    model, x, y = problem.model, problem.inputs, problem.targets
+    actual = ggnchunk.diag_ggn(model, problem.loss_func, x, y, per_sample=True,
+                               num_chunks=2)  # fmt: skip
+    sum_loss = nn.CrossEntropyLoss(reduction="sum")
+    for i in range(y.shape[0]):
+        expected = reference_diag_ggn(model, sum_loss, x[i : i + 1], y[i : i + 1])
+        scale = 1.0 / y.numel()
+        got = {k: v[i] for k, v in actual.items()}
+        assert_diag_close(got, {k: scale * v for k, v in expected.items()}, rtol=1e-9)
+
+
+class FrozenFeatures(nn.Module):
+    """Trained convolution and head around frozen Conv/GroupNorm/LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.frozen = nn.Sequential(
+            nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(),
+            nn.LayerNorm(64),
+        )  # fmt: skip
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.head(self.frozen(self.conv(x)))
+
+
+@pytest.mark.parametrize("options", [{"num_chunks": 1}, {"chunk_size": 1},
+                                     {"max_memory": "64MiB"}])  # fmt: skip
+def test_kron_through_frozen_layers(options):
+    torch.manual_seed(0)
+    model = _randomize_norms(FrozenFeatures()).double().eval()
+    model.frozen.requires_grad_(False)
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    y = torch.randn(3, 3, dtype=torch.float64)
+    expected = reference_kron(model, nn.MSELoss(), x, y)
+    got = ggnchunk.kron_ggn(model, nn.MSELoss(), x, y, **options)
+    for name, (g, a) in expected.items():
+        assert torch.allclose(got[name].output, g, rtol=1e-9, atol=1e-12), name
+        if a is not None:
+            assert torch.allclose(got[name].input, a, rtol=1e-9, atol=1e-12), name
+
+
+# -- the fast path is taken ----------------------------------------------------------------
+
+
+def _slow_warnings(case: Case, **options) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ggnchunk.diag_ggn(case.model, case.loss_func, case.inputs, case.targets, **options)
+    return [str(w.message) for w in caught if w.category is ggnchunk.SlowBackwardWarning]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["resnet18-frozen-backbone", "frozen-norms-conv", "tiny-gpt", "tiny-gpt-frozen-blocks",
+     "encoder-batch-first-frozen-attention"],
+)  # fmt: skip
+def test_no_per_column_loop(case):
+    """Frozen layers, attention and GPT blocks: no per-column loop of vmap."""
+    assert _slow_warnings(_make(case), num_chunks=2) == []
+
+
+def test_frozen_layers_use_their_rules(monkeypatch):
+    """Frozen Conv, GroupNorm, LayerNorm and BatchNorm map the vectors by their rules."""
+    problem = _make("frozen-norms-conv")
+    seen: list[str] = []
+    for rule in (_rules.ConvRule, _rules.GroupNormRule, _rules.LayerNormRule,
+                 _rules.BatchNormRule):  # fmt: skip
+        original = rule.backprop
+
+        def counted(self, ctx, grads, original=original):
+            seen.append(type(ctx.module).__name__)
+            return original(self, ctx, grads)
+
+        monkeypatch.setattr(rule, "backprop", counted)
+    ggnchunk.diag_ggn(problem.model, problem.loss_func, problem.inputs, problem.targets)
+    # per sweep (the independence check and one pass): conv2, gn_plain, ln, ln_plain, bn
+    # (conv1's input needs nothing back; gn trains... frozen: counted too)
+    for kind in ("Conv2d", "GroupNorm", "LayerNorm", "BatchNorm1d"):
+        assert kind in seen, f"frozen {kind} crossed without its rule: {seen}"
+    assert seen.count("GroupNorm") == 2 * 2 and seen.count("LayerNorm") == 2 * 2
+
+
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(F.layer_norm(self.lin(x), (6,)))
+
+
+def test_slow_operation_is_named_once_per_call():
+    torch.manual_seed(0)
+    model = Functional().double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    found = _slow_warnings(Case(model, nn.MSELoss(), x, y), num_chunks=2)
+    assert len(found) == 1, found
+    assert "native_layer_norm_backward" in found[0]
+    assert "model.head" in found[0] and "model.lin" in found[0]
+    # the warning changes nothing: still exact
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, chunk_size=1)
+    assert_diag_close(got, expected, rtol=1e-9)
+    assert not torch._C._debug_only_are_vmap_fallback_warnings_enabled()
+
+
+class Prompted(nn.Module):
+    """A tensor that requires grad but is no parameter, added before frozen layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt = torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x):
+        return self.body(x + self.prompt)
+
+
+def test_nothing_is_swept_where_no_trainable_parameter_is_upstream(monkeypatch):
+    """Layers whose inputs have no trainable parameter behind them pass nothing back.
+
+    The frozen first layer, the activation and the trained last layer: only the last
+    layer's own products are needed.
+    """
+    torch.manual_seed(0)
+    model = Prompted().double()
+    model.body[0].requires_grad_(False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = torch.randn(3, 3, dtype=torch.float64)
+    calls = []
+    for rule in (_rules.LinearRule, _rules.ActivationRule):
+        original = rule.backprop
+
+        def counted(self, ctx, grads, original=original):
+            calls.append(type(ctx.module).__name__)
+            return original(self, ctx, grads)
+
+        monkeypatch.setattr(rule, "backprop", counted)
+    got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
+    assert calls == []
+    assert_diag_close(got, reference_diag_ggn(model, nn.MSELoss(), x, y), rtol=1e-9)
+
+
+def test_attention_workspace_is_in_the_bound():
+    """The folded attention's per-column products (``[N, H, L, L]``) are counted."""
+    torch.manual_seed(0)
+    model = _randomize_norms(TinyGPT(tokens=64)).double().eval()
+    idx = torch.randint(0, 11, (2, 64))
+    problem = Problem.build(model, nn.CrossEntropyLoss())
+    with GGNComputation(problem, Batch(idx, 2), torch.randint(0, 11, (2, 64)), 1.0) as c:
+        c.forward()
+        per_column = c.column_bytes()
+    probabilities = 2 * 2 * 64 * 64 * 8  # one [N, H, L, L] float64 tensor per column
+    assert per_column >= 4 * probabilities
