@@ -181,7 +181,7 @@ CHUNKINGS = {
     "max_memory": {"max_memory": "256MiB"},
     "batch_chunks": {"batch_chunk_size": 2, "num_chunks": 2},
 }
-BIG = {"lraspp-partly-frozen"}  # 768 columns per sample: chunk_size=1 is too slow
+BIG = {"lraspp-partly-frozen"}  # 768 columns per sample: slow; chunk_size=1 left out
 
 
 def _make(case: str) -> Case:
@@ -197,7 +197,12 @@ def _expected(case: str) -> dict[str, torch.Tensor]:
 
 
 PARAMS = [
-    pytest.param(case, chunking, id=f"{case}-{chunking}")
+    pytest.param(
+        case,
+        chunking,
+        id=f"{case}-{chunking}",
+        marks=[pytest.mark.slow] if case in BIG else [],
+    )  # fmt: skip
     for case in CASES
     for chunking in CHUNKINGS
     if not (case in BIG and chunking == "chunk_size1")
