@@ -202,7 +202,7 @@ PARAMS = [
         chunking,
         id=f"{case}-{chunking}",
         marks=[pytest.mark.slow] if case in BIG else [],
-    )  # fmt: skip
+    )
     for case in CASES
     for chunking in CHUNKINGS
     if not (case in BIG and chunking == "chunk_size1")
