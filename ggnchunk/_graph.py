@@ -41,9 +41,9 @@ from ggnchunk._autograd import (
     SlowBackwardWarning,
     accumulated_variable,
     batched_grad,
-    noting,
     edge_key,
     edge_of,
+    noting,
 )
 from ggnchunk._checks import user_stacklevel
 from ggnchunk._quantities import Quantity
