@@ -23,6 +23,7 @@ import ggnchunk
 from ggnchunk import _rules
 from ggnchunk._checks import Batch
 from ggnchunk._engine import GGNComputation, Problem
+from ggnchunk._quantities import DiagonalGGN
 from tests.real_models import Problem as Case
 from tests.real_models import _randomize_norms
 from tests.reference import assert_diag_close, reference_diag_ggn, reference_kron
@@ -377,7 +378,9 @@ def test_attention_workspace_is_in_the_bound():
     model = _randomize_norms(TinyGPT(tokens=64)).double().eval()
     idx = torch.randint(0, 11, (2, 64))
     problem = Problem.build(model, nn.CrossEntropyLoss())
-    with GGNComputation(problem, Batch(idx, 2), torch.randint(0, 11, (2, 64)), 1.0) as c:
+    targets = torch.randint(0, 11, (2, 64))
+    quantity = DiagonalGGN(problem, 2)
+    with GGNComputation(problem, Batch(idx, 2), targets, 1.0, quantity) as c:
         c.forward()
         per_column = c.column_bytes()
     probabilities = 2 * 2 * 64 * 64 * 8  # one [N, H, L, L] float64 tensor per column
