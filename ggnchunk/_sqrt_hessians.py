@@ -598,6 +598,10 @@ class _DenseFactor(SqrtHessianFactor):
         return part.reshape(stop - start, *self._shape)
 
 
+def _scaled(term: Callable[[Tensor, Tensor], Tensor], factor: float):
+    return lambda f, t: factor * term(f, t)
+
+
 _DENSE_LIMIT = 2048  # outputs per sample up to which a non-diagonal Hessian is factorized
 
 
@@ -655,7 +659,19 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         tolerance = (
             1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
         )
-        if not torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3):
+        close = torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3)
+        if not close and divisor > 1:
+            # a forward that takes the mean itself (reduction="mean" not passed on): the
+            # loss is the mean of per-sample means, sum_n (m * l_n) / numel with m the
+            # target elements per sample (the same for every batch size)
+            m = target[0].numel()
+            close = torch.allclose(
+                total, terms.sum() / target.shape[0], rtol=tolerance,
+                atol=tolerance * 1e-3,
+            )  # fmt: skip
+            if close:
+                term = _scaled(term, float(m))
+        if not close:
             raise ValueError(
                 f"loss_func ({type(loss_func).__name__}) is not a "
                 f"{'mean' if divisor > 1 else 'sum'} of per-sample terms: the batch's loss "
@@ -678,7 +694,11 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
 
         batched = func.vmap(hvp)
         diag = batched(output, target, torch.ones_like(output))
-        probe = torch.rand_like(output) + 0.5
+        # a private generator: the user's random state is left as it was
+        generator = torch.Generator(device=output.device).manual_seed(0)
+        probe = torch.rand(
+            output.shape, generator=generator, dtype=output.dtype, device=output.device
+        ) + 0.5  # fmt: skip
         atol = tolerance * float(diag.abs().max().clamp_min(1e-30))
         if torch.allclose(batched(output, target, probe), diag * probe, tolerance, atol):
             hess = diag * float(scale)

@@ -1,0 +1,79 @@
+"""Issue 21 section 3: silently wrong results, the user's state, raw or misleading errors.
+
+Every value is compared with the float64 brute force; every refusal names the argument
+and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from tests.reference import assert_diag_close, reference_diag_ggn
+from tests.test_losses_and_per_sample import LOSSES
+
+
+def _model(outputs: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, outputs)).double()
+
+
+X = torch.randn(5, 3, dtype=torch.float64)
+
+
+# -- random state -----------------------------------------------------------------------
+def _every_loss(out: torch.Tensor):
+    yield "mse", nn.MSELoss(), torch.randn_like(out)
+    yield "bce", nn.BCEWithLogitsLoss(), torch.rand_like(out).round()
+    yield "ce", nn.CrossEntropyLoss(), torch.randint(0, out.shape[1], (out.shape[0],))
+    yield "gaussian-nll", ggnchunk.losses.GaussianNLL(), torch.randn(out.shape[0])
+    for name, (make_loss, make_target) in LOSSES.items():
+        if name != "poisson-rate":  # needs positive outputs; same path as poisson-log
+            yield name, make_loss(), make_target(out)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_no_loss_path_changes_the_global_random_state():
+    """Generic losses probed their Hessian's diagonality with the global RNG."""
+    model = _model()
+    with torch.no_grad():
+        out = model(X)
+    torch.manual_seed(3)
+    for name, loss_func, targets in _every_loss(out):
+        model_out = model
+        if name == "gaussian-nll":
+            model_out = nn.Sequential(model, nn.Linear(4, 2)).double()
+        state = torch.get_rng_state()
+        # (a CUDA generator is never touched on CPU inputs; on CUDA the probe uses a
+        # private generator of the output's device as well)
+        ggnchunk.diag_ggn(model_out, loss_func, X, targets)
+        assert torch.equal(torch.get_rng_state(), state), f"{name} changed the RNG state"
+
+
+# -- a loss module whose forward takes the mean itself ----------------------------------
+class LogCosh(nn.Module):
+    reduction = "mean"
+
+    def forward(self, x, y):
+        return torch.log(torch.cosh(x - y)).mean()
+
+
+class LogCoshPerSampleMean(nn.Module):
+    reduction = "mean"
+
+    def forward(self, x, y):
+        return torch.log(torch.cosh(x - y)).flatten(1).mean(1).mean()
+
+
+@pytest.mark.parametrize("loss_class", [LogCosh, LogCoshPerSampleMean])
+def test_loss_taking_the_mean_itself_is_exact(loss_class):
+    model = _model()
+    with torch.no_grad():
+        targets = torch.randn_like(model(X))
+    loss_func = loss_class()
+    expected = reference_diag_ggn(model, loss_func, X, targets)
+    for kwargs in ({}, {"num_chunks": 3}, {"batch_chunk_size": 2}):
+        actual = ggnchunk.diag_ggn(model, loss_func, X, targets, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-9, label=f"{kwargs}")
