@@ -77,3 +77,26 @@ def test_loss_taking_the_mean_itself_is_exact(loss_class):
     for kwargs in ({}, {"num_chunks": 3}, {"batch_chunk_size": 2}):
         actual = ggnchunk.diag_ggn(model, loss_func, X, targets, **kwargs)
         assert_diag_close(actual, expected, rtol=1e-9, label=f"{kwargs}")
+
+
+# -- an interrupt right after the memory poller started ---------------------------------
+def test_interrupt_after_the_poller_starts_leaves_no_thread(monkeypatch):
+    import threading
+
+    from ggnchunk._memory import PeakTracker
+
+    started: list[threading.Thread] = []
+    original = threading.Thread.start
+
+    def start_then_interrupt(self):
+        original(self)
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        PeakTracker(torch.device("cpu")).measure(lambda: None)
+    monkeypatch.undo()
+    assert len(started) == 1
+    started[0].join(timeout=2.0)
+    assert not started[0].is_alive(), "the RSS polling thread is still running"
