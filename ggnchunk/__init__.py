@@ -19,7 +19,7 @@ from ggnchunk._scheduler import (
     clear_autotune_cache,
     plan_chunks,
 )
-from ggnchunk._sqrt_hessians import NotConvexWarning
+from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning
 from ggnchunk._variance import output_variance
 
 
@@ -68,6 +68,7 @@ __all__ = [
     "OutOfMemoryRecoveryWarning",
     # warnings
     "NotConvexWarning",
+    "ZeroHessianWarning",
     # measuring memory
     "measure_peak_memory",
     "PeakMemory",

@@ -557,6 +557,10 @@ class NotConvexWarning(UserWarning):
     """A loss Hessian had negative eigenvalues; the GGN used its positive part."""
 
 
+class ZeroHessianWarning(UserWarning):
+    """The loss Hessian w.r.t. the model output is zero: so is the GGN diagonal."""
+
+
 class FunctionLoss(nn.Module):
     """A loss function ``fn(output, target)`` that sums per-sample terms, as a module.
 
@@ -704,6 +708,16 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             hess = diag * float(scale)
             if bool((hess < 0).any()):
                 self._warn_not_convex(loss_func)
+            if not bool(hess.any()):
+                warnings.warn(
+                    f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) "
+                    "w.r.t. the model output is zero at every sample (a piecewise linear "
+                    "loss such as nn.L1Loss has a Hessian that is zero almost "
+                    "everywhere), so the GGN diagonal is all zeros. Use a loss with "
+                    "curvature (e.g. nn.SmoothL1Loss or nn.HuberLoss) for a useful GGN.",
+                    ZeroHessianWarning,
+                    stacklevel=user_stacklevel(),
+                )
             return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
         size = output[0].numel()
         if size > _DENSE_LIMIT:
@@ -748,6 +762,18 @@ def as_loss_module(loss_func: object) -> nn.Module:
     Raises:
         TypeError: If ``loss_func`` is neither.
     """
+    if isinstance(loss_func, type) and issubclass(loss_func, nn.Module):
+        raise TypeError(
+            f"loss_func is the class {loss_func.__name__}, not a loss: instantiate it: "
+            f"loss_func={loss_func.__name__}()."
+        )
+    if isinstance(loss_func, nn.GaussianNLLLoss):
+        raise TypeError(
+            "loss_func is nn.GaussianNLLLoss, which takes the variance as a third "
+            "argument; ggnchunk calls loss(output, target). Use "
+            "ggnchunk.losses.GaussianNLL() with a model that outputs mean and "
+            "log-variance on axis 1 ([N, 2, ...])."
+        )
     if isinstance(loss_func, nn.Module):
         return loss_func
     if callable(loss_func):

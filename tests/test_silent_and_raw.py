@@ -100,3 +100,41 @@ def test_interrupt_after_the_poller_starts_leaves_no_thread(monkeypatch):
     assert len(started) == 1
     started[0].join(timeout=2.0)
     assert not started[0].is_alive(), "the RSS polling thread is still running"
+
+
+# -- losses: a class instead of an instance, GaussianNLLLoss, L1 -------------------------
+def test_loss_class_instead_of_an_instance_says_instantiate():
+    model = _model()
+    with pytest.raises(TypeError, match=r"instantiate it: loss_func=MSELoss\(\)"):
+        ggnchunk.diag_ggn(model, nn.MSELoss, X, torch.randn(5, 4, dtype=torch.float64))
+
+
+def test_torch_gaussian_nll_points_to_ours():
+    model = _model()
+    with pytest.raises(TypeError, match=r"ggnchunk\.losses\.GaussianNLL\(\)"):
+        ggnchunk.diag_ggn(
+            model, nn.GaussianNLLLoss(), X, torch.randn(5, 4, dtype=torch.float64)
+        )
+
+
+def test_l1_loss_warns_that_its_diagonal_is_zero():
+    model = _model()
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    expected = reference_diag_ggn(model, nn.L1Loss(), X, targets)
+    with pytest.warns(ggnchunk.ZeroHessianWarning, match="L1Loss.*zero almost everywhere"):
+        actual = ggnchunk.diag_ggn(model, nn.L1Loss(), X, targets)
+    assert_diag_close(actual, expected, rtol=1e-12, label="L1")
+
+
+# -- user backward hooks: not fired during a call, still registered after ---------------
+def test_user_backward_hooks_do_not_fire_and_stay_registered():
+    model = _model()
+    fired: list[str] = []
+    model[2].register_full_backward_hook(lambda *a: fired.append("module"))
+    model[0].weight.register_hook(lambda g: fired.append("tensor"))
+    model[0].bias.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    ggnchunk.diag_ggn(model, nn.MSELoss(), X, targets, num_chunks=2)
+    assert fired == []
+    nn.MSELoss()(model(X), targets).backward()
+    assert sorted(set(fired)) == ["module", "post", "tensor"]
