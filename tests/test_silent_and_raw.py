@@ -138,3 +138,63 @@ def test_user_backward_hooks_do_not_fire_and_stay_registered():
     assert fired == []
     nn.MSELoss()(model(X), targets).backward()
     assert sorted(set(fired)) == ["module", "post", "tensor"]
+
+
+# -- another thread running the same model during a call --------------------------------
+class _AtLinear(torch.overrides.TorchFunctionMode):
+    """Runs ``action`` in this thread's ``F.linear`` with ``weight`` (between hooks)."""
+
+    def __init__(self, weight, action):
+        super().__init__()
+        self.weight, self.action = weight, action
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear and args[1] is self.weight:
+            self.action()
+        return func(*args, **(kwargs or {}))
+
+
+def test_another_thread_calling_the_model_during_a_call_changes_nothing():
+    """A forced race: another thread is inside the last layer when the call enters it.
+
+    It leaves while the calling thread is inside (between the layer's pre- and post-hook).
+    """
+    import threading
+
+    model = _model()
+    layer = model[2]
+    inside, release = threading.Event(), threading.Event()
+    raced: list[threading.Thread] = []
+
+    def other_thread():
+        def wait():
+            inside.set()
+            release.wait(5.0)
+
+        h = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+        with _AtLinear(layer.weight, wait):
+            layer(h)
+
+    def start_other(module, args):
+        if torch.is_grad_enabled() and not raced:
+            raced.append(threading.Thread(target=other_thread))
+            raced[0].start()
+            inside.wait(5.0)
+
+    def let_other_leave():
+        if raced and not release.is_set():
+            release.set()
+            raced[0].join(5.0)
+
+    model.register_forward_pre_hook(start_other)
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    try:
+        with _AtLinear(layer.weight, let_other_leave):
+            actual = ggnchunk.diag_ggn(model, nn.MSELoss(), X, targets)
+    finally:
+        release.set()
+        for thread in raced:
+            thread.join(5.0)
+    assert raced, "the race did not happen"
+    expected = reference_diag_ggn(model, nn.MSELoss(), X, targets)
+    assert_diag_close(actual, expected, rtol=1e-10, label="racing thread")
