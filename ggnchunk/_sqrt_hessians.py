@@ -708,13 +708,12 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             hess = diag * float(scale)
             if bool((hess < 0).any()):
                 self._warn_not_convex(loss_func)
-            if not bool(hess.any()):
+            if isinstance(loss_func, nn.L1Loss):  # (a sub-batch's zero is no reason)
                 warnings.warn(
-                    f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) "
-                    "w.r.t. the model output is zero at every sample (a piecewise linear "
-                    "loss such as nn.L1Loss has a Hessian that is zero almost "
-                    "everywhere), so the GGN diagonal is all zeros. Use a loss with "
-                    "curvature (e.g. nn.SmoothL1Loss or nn.HuberLoss) for a useful GGN.",
+                    "ggnchunk: the Hessian of loss_func (L1Loss) w.r.t. the model output "
+                    "is zero almost everywhere (the loss is piecewise linear), so the GGN "
+                    "diagonal is all zeros. Use a loss with curvature (e.g. "
+                    "nn.SmoothL1Loss or nn.HuberLoss) for a useful GGN.",
                     ZeroHessianWarning,
                     stacklevel=user_stacklevel(),
                 )
