@@ -20,7 +20,7 @@ from ggnchunk._scheduler import (
     clear_autotune_cache,
     plan_chunks,
 )
-from ggnchunk._sqrt_hessians import NotConvexWarning
+from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning
 from ggnchunk._variance import output_variance
 
 
@@ -70,6 +70,7 @@ __all__ = [
     # warnings
     "NotConvexWarning",
     "SlowBackwardWarning",
+    "ZeroHessianWarning",
     # measuring memory
     "measure_peak_memory",
     "PeakMemory",

@@ -144,8 +144,10 @@ class Recording:
         self._pending.clear()
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return None  # another thread's forward: neither recorded nor popped
         stack = self._pending.setdefault(id(module), [])
-        if threading.get_ident() != self._thread or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             stack.append(None)
             return None
         if args:
@@ -168,6 +170,8 @@ class Recording:
         return None
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         stack = self._pending.get(id(module))
         entry = stack.pop() if stack else None
         if entry is None:

@@ -308,14 +308,15 @@ class PeakTracker:
                 done.wait(1e-3)
 
         thread = threading.Thread(target=poll, daemon=True)
-        thread.start()
         start = time.perf_counter()
-        try:
+        try:  # started inside: an interrupt anywhere after it still stops the thread
+            thread.start()
             result = fn()
         finally:
             seconds = time.perf_counter() - start
             done.set()
-            thread.join()
+            if thread.ident is not None:
+                thread.join()
         return result, max(peak[0], self.current()), seconds
 
 

@@ -327,7 +327,9 @@ class _Products(Quantity):
         if index in buffers:
             buffers[index] += value
         else:
-            buffers[index] = value.clone() if value.stride(1) == 0 else value
+            # a copy: the products may be (views of) the vectors at the layer's output
+            # or the seed, which the sums added here later must not change
+            buffers[index] = value.clone()
 
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         if not call.params:
@@ -357,13 +359,15 @@ class _Products(Quantity):
             masked[:, sample] = grads[:, sample]
             with blocked(source.frontier):
                 results = batched_grad([source.target], params, [masked])
-            masked[:, sample] = 0
             for i, value in zip(source.params, results, strict=True):
                 if value is None:
                     continue
                 if i not in buffers:
                     buffers[i] = value.new_zeros(v, n, *value.shape[1:])
                 buffers[i][:, sample] += value
+            # only now: with one sample, autograd may return ``masked`` itself (or a
+            # view of it) as a parameter's gradient
+            masked[:, sample] = 0
 
     def end(self, recording: Recording) -> None:
         for i, value in self._buffers.items():

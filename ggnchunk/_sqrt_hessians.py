@@ -557,6 +557,10 @@ class NotConvexWarning(UserWarning):
     """A loss Hessian had negative eigenvalues; the GGN used its positive part."""
 
 
+class ZeroHessianWarning(UserWarning):
+    """The loss Hessian w.r.t. the model output is zero: so is the GGN diagonal."""
+
+
 class FunctionLoss(nn.Module):
     """A loss function ``fn(output, target)`` that sums per-sample terms, as a module.
 
@@ -596,6 +600,10 @@ class _DenseFactor(SqrtHessianFactor):
     def columns(self, start: int, stop: int) -> Tensor:
         part = self._sqrt[:, :, start:stop].permute(2, 0, 1)
         return part.reshape(stop - start, *self._shape)
+
+
+def _scaled(term: Callable[[Tensor, Tensor], Tensor], factor: float):
+    return lambda f, t: factor * term(f, t)
 
 
 _DENSE_LIMIT = 2048  # outputs per sample up to which a non-diagonal Hessian is factorized
@@ -655,7 +663,19 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         tolerance = (
             1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
         )
-        if not torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3):
+        close = torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3)
+        if not close and divisor > 1:
+            # a forward that takes the mean itself (reduction="mean" not passed on): the
+            # loss is the mean of per-sample means, sum_n (m * l_n) / numel with m the
+            # target elements per sample (the same for every batch size)
+            m = target[0].numel()
+            close = torch.allclose(
+                total, terms.sum() / target.shape[0], rtol=tolerance,
+                atol=tolerance * 1e-3,
+            )  # fmt: skip
+            if close:
+                term = _scaled(term, float(m))
+        if not close:
             raise ValueError(
                 f"loss_func ({type(loss_func).__name__}) is not a "
                 f"{'mean' if divisor > 1 else 'sum'} of per-sample terms: the batch's loss "
@@ -678,12 +698,25 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
 
         batched = func.vmap(hvp)
         diag = batched(output, target, torch.ones_like(output))
-        probe = torch.rand_like(output) + 0.5
+        # a private generator: the user's random state is left as it was
+        generator = torch.Generator(device=output.device).manual_seed(0)
+        probe = torch.rand(
+            output.shape, generator=generator, dtype=output.dtype, device=output.device
+        ) + 0.5  # fmt: skip
         atol = tolerance * float(diag.abs().max().clamp_min(1e-30))
         if torch.allclose(batched(output, target, probe), diag * probe, tolerance, atol):
             hess = diag * float(scale)
             if bool((hess < 0).any()):
                 self._warn_not_convex(loss_func)
+            if isinstance(loss_func, nn.L1Loss):  # (a sub-batch's zero is no reason)
+                warnings.warn(
+                    "ggnchunk: the Hessian of loss_func (L1Loss) w.r.t. the model output "
+                    "is zero almost everywhere (the loss is piecewise linear), so the GGN "
+                    "diagonal is all zeros. Use a loss with curvature (e.g. "
+                    "nn.SmoothL1Loss or nn.HuberLoss) for a useful GGN.",
+                    ZeroHessianWarning,
+                    stacklevel=user_stacklevel(),
+                )
             return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
         size = output[0].numel()
         if size > _DENSE_LIMIT:
@@ -728,6 +761,18 @@ def as_loss_module(loss_func: object) -> nn.Module:
     Raises:
         TypeError: If ``loss_func`` is neither.
     """
+    if isinstance(loss_func, type) and issubclass(loss_func, nn.Module):
+        raise TypeError(
+            f"loss_func is the class {loss_func.__name__}, not a loss: instantiate it: "
+            f"loss_func={loss_func.__name__}()."
+        )
+    if isinstance(loss_func, nn.GaussianNLLLoss):
+        raise TypeError(
+            "loss_func is nn.GaussianNLLLoss, which takes the variance as a third "
+            "argument; ggnchunk calls loss(output, target). Use "
+            "ggnchunk.losses.GaussianNLL() with a model that outputs mean and "
+            "log-variance on axis 1 ([N, 2, ...])."
+        )
     if isinstance(loss_func, nn.Module):
         return loss_func
     if callable(loss_func):

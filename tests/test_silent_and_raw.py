@@ -1,0 +1,200 @@
+"""Issue 21 section 3: silently wrong results, the user's state, raw or misleading errors.
+
+Every value is compared with the float64 brute force; every refusal names the argument
+and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from tests.reference import assert_diag_close, reference_diag_ggn
+from tests.test_losses_and_per_sample import LOSSES
+
+
+def _model(outputs: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, outputs)).double()
+
+
+X = torch.randn(5, 3, dtype=torch.float64)
+
+
+# -- random state -----------------------------------------------------------------------
+def _every_loss(out: torch.Tensor):
+    yield "mse", nn.MSELoss(), torch.randn_like(out)
+    yield "bce", nn.BCEWithLogitsLoss(), torch.rand_like(out).round()
+    yield "ce", nn.CrossEntropyLoss(), torch.randint(0, out.shape[1], (out.shape[0],))
+    yield "gaussian-nll", ggnchunk.losses.GaussianNLL(), torch.randn(out.shape[0])
+    for name, (make_loss, make_target) in LOSSES.items():
+        if name != "poisson-rate":  # needs positive outputs; same path as poisson-log
+            yield name, make_loss(), make_target(out)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_no_loss_path_changes_the_global_random_state():
+    """Generic losses probed their Hessian's diagonality with the global RNG."""
+    model = _model()
+    with torch.no_grad():
+        out = model(X)
+    torch.manual_seed(3)
+    for name, loss_func, targets in _every_loss(out):
+        model_out = model
+        if name == "gaussian-nll":
+            model_out = nn.Sequential(model, nn.Linear(4, 2)).double()
+        state = torch.get_rng_state()
+        # (a CUDA generator is never touched on CPU inputs; on CUDA the probe uses a
+        # private generator of the output's device as well)
+        ggnchunk.diag_ggn(model_out, loss_func, X, targets)
+        assert torch.equal(torch.get_rng_state(), state), f"{name} changed the RNG state"
+
+
+# -- a loss module whose forward takes the mean itself ----------------------------------
+class LogCosh(nn.Module):
+    reduction = "mean"
+
+    def forward(self, x, y):
+        return torch.log(torch.cosh(x - y)).mean()
+
+
+class LogCoshPerSampleMean(nn.Module):
+    reduction = "mean"
+
+    def forward(self, x, y):
+        return torch.log(torch.cosh(x - y)).flatten(1).mean(1).mean()
+
+
+@pytest.mark.parametrize("loss_class", [LogCosh, LogCoshPerSampleMean])
+def test_loss_taking_the_mean_itself_is_exact(loss_class):
+    model = _model()
+    with torch.no_grad():
+        targets = torch.randn_like(model(X))
+    loss_func = loss_class()
+    expected = reference_diag_ggn(model, loss_func, X, targets)
+    for kwargs in ({}, {"num_chunks": 3}, {"batch_chunk_size": 2}):
+        actual = ggnchunk.diag_ggn(model, loss_func, X, targets, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-9, label=f"{kwargs}")
+
+
+# -- an interrupt right after the memory poller started ---------------------------------
+def test_interrupt_after_the_poller_starts_leaves_no_thread(monkeypatch):
+    import threading
+
+    from ggnchunk._memory import PeakTracker
+
+    started: list[threading.Thread] = []
+    original = threading.Thread.start
+
+    def start_then_interrupt(self):
+        original(self)
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        PeakTracker(torch.device("cpu")).measure(lambda: None)
+    monkeypatch.undo()
+    assert len(started) == 1
+    started[0].join(timeout=2.0)
+    assert not started[0].is_alive(), "the RSS polling thread is still running"
+
+
+# -- losses: a class instead of an instance, GaussianNLLLoss, L1 -------------------------
+def test_loss_class_instead_of_an_instance_says_instantiate():
+    model = _model()
+    with pytest.raises(TypeError, match=r"instantiate it: loss_func=MSELoss\(\)"):
+        ggnchunk.diag_ggn(model, nn.MSELoss, X, torch.randn(5, 4, dtype=torch.float64))
+
+
+def test_torch_gaussian_nll_points_to_ours():
+    model = _model()
+    with pytest.raises(TypeError, match=r"ggnchunk\.losses\.GaussianNLL\(\)"):
+        ggnchunk.diag_ggn(
+            model, nn.GaussianNLLLoss(), X, torch.randn(5, 4, dtype=torch.float64)
+        )
+
+
+def test_l1_loss_warns_that_its_diagonal_is_zero():
+    model = _model()
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    expected = reference_diag_ggn(model, nn.L1Loss(), X, targets)
+    with pytest.warns(ggnchunk.ZeroHessianWarning, match="L1Loss.*zero almost everywhere"):
+        actual = ggnchunk.diag_ggn(model, nn.L1Loss(), X, targets)
+    assert_diag_close(actual, expected, rtol=1e-12, label="L1")
+
+
+# -- user backward hooks: not fired during a call, still registered after ---------------
+def test_user_backward_hooks_do_not_fire_and_stay_registered():
+    model = _model()
+    fired: list[str] = []
+    model[2].register_full_backward_hook(lambda *a: fired.append("module"))
+    model[0].weight.register_hook(lambda g: fired.append("tensor"))
+    model[0].bias.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    ggnchunk.diag_ggn(model, nn.MSELoss(), X, targets, num_chunks=2)
+    assert fired == []
+    nn.MSELoss()(model(X), targets).backward()
+    assert sorted(set(fired)) == ["module", "post", "tensor"]
+
+
+# -- another thread running the same model during a call --------------------------------
+class _AtLinear(torch.overrides.TorchFunctionMode):
+    """Runs ``action`` in this thread's ``F.linear`` with ``weight`` (between hooks)."""
+
+    def __init__(self, weight, action):
+        super().__init__()
+        self.weight, self.action = weight, action
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear and args[1] is self.weight:
+            self.action()
+        return func(*args, **(kwargs or {}))
+
+
+def test_another_thread_calling_the_model_during_a_call_changes_nothing():
+    """A forced race: another thread is inside the last layer when the call enters it.
+
+    It leaves while the calling thread is inside (between the layer's pre- and post-hook).
+    """
+    import threading
+
+    model = _model()
+    layer = model[2]
+    inside, release = threading.Event(), threading.Event()
+    raced: list[threading.Thread] = []
+
+    def other_thread():
+        def wait():
+            inside.set()
+            release.wait(5.0)
+
+        h = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+        with _AtLinear(layer.weight, wait):
+            layer(h)
+
+    def start_other(module, args):
+        if torch.is_grad_enabled() and not raced:
+            raced.append(threading.Thread(target=other_thread))
+            raced[0].start()
+            inside.wait(5.0)
+
+    def let_other_leave():
+        if raced and not release.is_set():
+            release.set()
+            raced[0].join(5.0)
+
+    model.register_forward_pre_hook(start_other)
+    targets = torch.randn(5, 4, dtype=torch.float64)
+    try:
+        with _AtLinear(layer.weight, let_other_leave):
+            actual = ggnchunk.diag_ggn(model, nn.MSELoss(), X, targets)
+    finally:
+        release.set()
+        for thread in raced:
+            thread.join(5.0)
+    assert raced, "the race did not happen"
+    expected = reference_diag_ggn(model, nn.MSELoss(), X, targets)
+    assert_diag_close(actual, expected, rtol=1e-10, label="racing thread")
