@@ -7,7 +7,7 @@ Launch with torchrun (``gloo`` on CPU, ``nccl`` on GPUs)::
 ``--mode dataset`` (default): each rank takes its share of the data with a
 ``DistributedSampler`` and ``diag_ggn_dataset`` sums the partial diagonals with one
 all-reduce. ``--mode chunks``: every rank runs the forward pass on the same batch and its
-share of the output chunks (``diag_ggn(..., distributed=True)``). Rank 0 also computes the
+share of the output chunks (``diag_ggn(..., column_parallel=True)``). Rank 0 also computes the
 single-process result and prints the largest relative error. Without torchrun it runs as
 one process.
 """
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         batch = x[: args.batch_size]
         diag = ggnchunk.diag_ggn(model, loss_func, batch, batch, max_memory=args.max_memory,
-                                 distributed=launched)  # fmt: skip
+                                 column_parallel=launched)  # fmt: skip
     seconds = time.perf_counter() - start
     times = [torch.zeros(world, device=device)]
     if launched:

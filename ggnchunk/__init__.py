@@ -3,10 +3,17 @@
 The public API is exactly what this module exports.
 """
 
-from ggnchunk._api import GGNReport, diag_ggn, kron_ggn, loss_grad_and_diag_ggn
+from ggnchunk._api import (
+    ChunkOptions,
+    GGNReport,
+    diag_ggn,
+    kron_ggn,
+    loss_grad_and_diag_ggn,
+)
 from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._autograd import warm_up as _warm_up
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
+from ggnchunk._graph import SampleCouplingError
 from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import supported_layers_table
@@ -53,6 +60,7 @@ __all__ = [
     "loss_grad_and_diag_ggn",
     "DiagGGNAccumulator",
     "GGNReport",
+    "ChunkOptions",
     # Kronecker factors (KFLR)
     "kron_ggn",
     "KronFactors",
@@ -67,7 +75,8 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryBudgetWarning",
     "OutOfMemoryRecoveryWarning",
-    # warnings
+    # errors and warnings users meet
+    "SampleCouplingError",
     "NotConvexWarning",
     "SlowBackwardWarning",
     "ZeroHessianWarning",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from math import inf
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -73,18 +75,54 @@ class GGNReport:
         ]
         return max(peaks) if peaks else None
 
+    def __repr__(self) -> str:
+        """A one-line summary (the chunk records are in ``schedules``)."""
+        chunk = self.chunk_size if self.schedules else None
+        return (
+            f"GGNReport(columns={self.num_columns}, passes={self.num_passes}, "
+            f"chunk_size={chunk}, sub_batches={len(self.batch_chunks)}, "
+            f"peak={_mib(self.peak_extra_bytes)}, lean={self.lean})"
+        )
+
+
+def _mib(value: float | None) -> str:
+    return "not measured" if value is None else f"{value / 2**20:.1f} MiB"
+
 
 @dataclass(frozen=True)
 class ChunkOptions:
-    """The chunking arguments of a call, validated once at the entry point.
+    """How a call splits its work: the chunking keywords, defined once, validated once.
+
+    Every entry point (:func:`diag_ggn`, :func:`kron_ggn`,
+    :func:`loss_grad_and_diag_ggn`, :func:`diag_ggn_dataset`,
+    :class:`DiagGGNAccumulator` and the laplace-torch backend ``ChunkedGGN``) takes
+    either ``options=ChunkOptions(...)`` or these fields as keyword arguments (or both,
+    when they agree); an unknown keyword or a keyword that contradicts ``options``
+    raises before any work.
 
     Attributes:
-        num_chunks: Fixed number of backward passes over the columns.
-        chunk_size: Fixed largest chunk, or ``"auto"``.
-        max_memory: Memory budget (bytes or a string with a unit).
-        batch_chunk_size: Largest number of samples per forward pass.
-        recover_oom: Split chunks that run out of memory.
-        distributed: Chunk-parallel over the default process group.
+        num_chunks: Number of backward passes over the columns (chunk sizes differ by
+            at most one; more chunks than columns give one column per pass).
+        chunk_size: Largest number of columns per backward pass, or ``"auto"``: the
+            fastest chunk size that fits ``max_memory`` (or 90% of the free device
+            memory), found by timing real chunks and remembered for later calls with
+            the same model, shapes and threads.
+        max_memory: Budget for the peak memory the call adds above what was in use
+            before it: bytes or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``.
+            On CPU memory is the resident set size, on CUDA the caching allocator's
+            allocated bytes.
+        batch_chunk_size: Also split the batch into sub-batches of at most this many
+            samples, each with its own forward pass (exact for ``mean`` and ``sum``).
+        recover_oom: If a backward pass runs out of memory, split its chunk in halves
+            and retry, keeping finished chunks (warns once).
+        column_parallel: Split the columns over the ranks of the default
+            ``torch.distributed`` process group (which must be initialized): every rank
+            runs the forward pass on the same batch and its share of the columns, then
+            the results are summed with one ``all_reduce``. ``False``: no
+            communication. (Data parallelism, each rank its own batches, is
+            :func:`diag_ggn_dataset`'s ``distributed``.)
+        progress: Show a tqdm progress bar over the backward passes (needs ``tqdm``,
+            ``pip install ggnchunk[progress]``).
     """
 
     num_chunks: int | None = None
@@ -92,22 +130,92 @@ class ChunkOptions:
     max_memory: int | str | None = None
     batch_chunk_size: int | None = None
     recover_oom: bool = True
-    distributed: bool = False
+    column_parallel: bool = False
+    progress: bool = False
 
     def __post_init__(self) -> None:
         check_chunking(self.num_chunks, self.chunk_size, self.max_memory)
         if self.batch_chunk_size is not None:
             check_positive_int(self.batch_chunk_size, "batch_chunk_size")
-        for name in ("recover_oom", "distributed"):
+        for name in ("recover_oom", "column_parallel", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"{name} must be True or False, got {getattr(self, name)!r}."
                 )
 
+    def __repr__(self) -> str:
+        given = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"ChunkOptions({', '.join(given)})"
+
     @property
     def measured(self) -> bool:
         """Whether the scheduler measures memory (budget and auto modes)."""
         return self.max_memory is not None or self.chunk_size == "auto"
+
+    @classmethod
+    def resolve(
+        cls, options: ChunkOptions | None, chunking: dict[str, Any], where: str
+    ) -> ChunkOptions:
+        """The options of a call from ``options=`` and/or the chunking keywords.
+
+        Args:
+            options: A :class:`ChunkOptions` or ``None``.
+            chunking: The keyword arguments given, each a field of this class.
+            where: The entry point's name, for the messages.
+
+        Returns:
+            The validated options.
+
+        Raises:
+            TypeError: For an unknown keyword or ``options`` of another type.
+            ValueError: For a keyword that contradicts ``options``.
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(chunking) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{where} got unknown keyword argument(s) {unknown}; its chunking "
+                f"keywords are the fields of ggnchunk.ChunkOptions: {', '.join(names)}."
+            )
+        if options is None:
+            return cls(**chunking)
+        if not isinstance(options, cls):
+            raise TypeError(
+                f"options must be a ggnchunk.ChunkOptions or None, got "
+                f"{type(options).__name__}."
+            )
+        clash = [n for n, v in chunking.items() if v != getattr(options, n)]
+        if clash:
+            said = ", ".join(
+                f"{n}={chunking[n]!r} vs {getattr(options, n)!r}" for n in clash
+            )
+            raise ValueError(
+                f"{where}: the keyword(s) contradict options= ({said}); pass each "
+                "setting once, in options or as a keyword."
+            )
+        return options
+
+
+def _legacy_distributed(chunking: dict[str, Any], where: str) -> None:
+    """Map the old ``distributed=`` of :func:`diag_ggn`/:func:`kron_ggn` (deprecated)."""
+    if "distributed" not in chunking:
+        return
+    value = chunking.pop("distributed")
+    if "column_parallel" in chunking:
+        raise ValueError(
+            f"{where}: pass column_parallel only (distributed is its deprecated name)."
+        )
+    warnings.warn(
+        f"{where}(distributed=...) is deprecated: it is called column_parallel now "
+        "(distributed means data-parallel in diag_ggn_dataset).",
+        FutureWarning,
+        stacklevel=3,
+    )
+    chunking["column_parallel"] = value
 
 
 def _cache_key(problem: Problem, batch: Batch) -> tuple:
@@ -208,6 +316,19 @@ def _plan_for_budget(
     return False
 
 
+def _progress_bar(show: bool) -> Any:
+    """A tqdm bar over backward passes, or ``None``; tqdm is imported only when asked."""
+    if not show:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        raise ImportError(
+            "progress=True needs tqdm: pip install tqdm (or ggnchunk[progress])."
+        ) from None
+    return tqdm(desc="GGN backward passes", unit="pass")
+
+
 QuantitySpec = Callable[[Problem, int], Quantity]
 """Makes the quantity of one forward pass: ``spec(problem, samples)``."""
 
@@ -238,6 +359,7 @@ def _compute(
     baseline = (
         getattr(tracker, "settled", tracker.current)() if tracker is not None else None
     )
+    bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop] if targets is not None else None
@@ -259,6 +381,8 @@ def _compute(
 
         def backward(a: int, b: int, run=run, first=first) -> None:
             run.backward(first + a, first + b)
+            if bar is not None:
+                bar.update(1)
 
         if last > first:
             if local.max_memory is not None and tracker is not None:
@@ -295,6 +419,8 @@ def _compute(
                 if grad is not None:
                     acc.add_(grad, alpha=factor)
         del run, quantity
+    if bar is not None:
+        bar.close()
     if group is not None:
         merged.all_reduce(group)
     return merged, loss, gradient, report
@@ -302,67 +428,43 @@ def _compute(
 
 def diag_ggn(
     model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
+    loss_func: nn.Module | Callable[[Tensor, Tensor], Tensor],
+    inputs: Any,
     targets: Tensor,
     *,
-    num_chunks: int | None = None,
-    chunk_size: int | str | None = None,
-    max_memory: int | str | None = None,
-    batch_chunk_size: int | None = None,
-    recover_oom: bool = True,
-    distributed: bool = False,
+    options: ChunkOptions | None = None,
     per_sample: bool = False,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     return_report: bool = False,
+    **chunking: Any,
 ) -> dict[str, Tensor] | tuple[dict[str, Tensor], GGNReport]:
     """Exact diagonal of the generalized Gauss-Newton matrix of a batch's loss.
 
     Computes ``diag(sum_n J_n^T H_n J_n)`` for ``loss = loss_func(model(inputs), targets)``
     as the loss's ``reduction`` defines it, where ``J_n`` is the Jacobian of sample
     ``n``'s output w.r.t. the parameters and ``H_n`` the Hessian of the loss w.r.t. that
-    output. One forward pass, then one backward pass per chunk of columns of the loss
-    Hessian's symmetric square root ``S_n`` (``S_n S_n^T = H_n``); the chunks' diagonals
-    add up to the exact result. Peak memory grows with the chunk's column count.
-
-    Columns are the output coordinates for ``MSELoss`` and ``BCEWithLogitsLoss``
-    (``prod(output_shape[1:])`` of them) and classes × positions for
-    ``CrossEntropyLoss`` (``C * prod(output_shape[2:])``).
+    output. One forward pass, then one backward pass per chunk of columns of a square
+    root ``S_n`` of ``H_n`` (``S_n S_n^T = H_n``); the chunks' diagonals add up to the
+    exact result. Peak memory grows with the chunk's column count; ``max_memory`` picks
+    the chunks for a budget.
 
     Args:
-        model: A model built from supported layers (see the README), with its output of
-            shape ``[N, ...]``: ``[N, M]``, image-shaped ``[N, C, H, W]``, sequence-shaped
-            ``[N, T, D]``, or logits ``[N, C, ...]`` for cross-entropy. Layers that couple
-            samples (BatchNorm) must be in eval mode.
-        loss_func: ``nn.MSELoss``, ``nn.BCEWithLogitsLoss`` or ``nn.CrossEntropyLoss``
-            with ``reduction="mean"`` or ``"sum"``.
-        inputs: Model inputs, shape ``[N, ...]``, on the model's device.
-        targets: Targets: the output's shape for MSE and BCE; ``[N, ...]`` class indices or
-            ``[N, C, ...]`` probabilities for cross-entropy.
-        num_chunks: Number of backward passes, from 1 to the number of columns; chunk
-            sizes differ by at most one.
-        chunk_size: Largest number of columns per backward pass (the last chunk may be
-            smaller), or ``"auto"``: the fastest chunk size that fits ``max_memory`` (or
-            90% of the free device memory), found by timing real chunks and remembered
-            for later calls with the same model, shapes and threads.
-        max_memory: Budget for the peak memory the computation adds above what was in
-            use before the call: bytes or a string such as ``"512MiB"``, ``"2GiB"``,
-            ``"1.5GB"``. The chunk size is chosen from measured chunks (see
-            :class:`~ggnchunk.ChunkScheduler`). On CPU memory is the resident set size,
-            on CUDA the caching allocator's allocated bytes.
-        batch_chunk_size: Also split the batch into sub-batches of at most this many
-            samples, each with its own forward pass (and its own output chunking). Exact
-            for ``mean`` and ``sum``: the mean's normalizer is that of the whole batch.
-        recover_oom: If a backward pass runs out of memory, split its chunk in halves and
-            retry, keeping finished chunks (warns once with the chunk size that worked).
-            If the failed pass was the last one, which frees the graph as it goes, the
-            forward pass is run again first (with the same random state).
-        distributed: Chunk-parallel over the default ``torch.distributed`` process group
-            (which must be initialized): every rank runs the forward pass on the same
-            batch and its share of the columns, then the diagonals are summed with one
-            ``all_reduce``; every rank returns the full result. ``False`` (default):
-            no communication.
+        model: An ``nn.Module`` whose output has the batch on axis 0, ``[N, ...]``.
+            Supported layers get fast rules (``ggnchunk.supported_layers_table()``);
+            other differentiable code between them is handled generically. Layers that
+            couple samples (BatchNorm in training mode) raise ``SampleCouplingError``.
+        loss_func: A loss with ``reduction="mean"`` or ``"sum"``: ``MSELoss``,
+            ``BCEWithLogitsLoss``, ``CrossEntropyLoss``, ``NLLLoss``, the losses of
+            ``ggnchunk.losses`` (``GaussianNLL``), or any twice-differentiable loss
+            module or function ``loss(output, target)`` (a plain function is a sum)
+            whose Hessian is computed generically; a loss that is not convex in the
+            output warns (``NotConvexWarning``).
+        inputs: The model's input: a tensor ``[N, ...]`` (``model(inputs)``), a
+            tuple/list (``model(*inputs)``) or a dict (``model(**inputs)``) of tensors
+            with the batch on axis 0, on the model's device.
+        targets: Targets ``[N, ...]`` as the loss takes them.
+        options: The chunking settings as one :class:`ChunkOptions` (optional).
         per_sample: Return each sample's own GGN diagonal, ``[N, *param.shape]`` per
             parameter (``diag(J_n^T H_n J_n)``; they add up to the batch's diagonal).
             The result is ``N`` times larger and every parameter takes the per-sample
@@ -375,7 +477,12 @@ def diag_ggn(
             (``report.num_columns == k``). ``None`` (default): exact.
         generator: With ``mc_samples``: the ``torch.Generator`` one seed is drawn
             from per call (``None``: one draw from the global RNG per call).
-        return_report: Also return a :class:`GGNReport` (chunk sizes, passes, peaks).
+        return_report: Also return a :class:`GGNReport` (columns, passes, peaks).
+        **chunking: Or the same settings as keywords: ``num_chunks``, ``chunk_size``,
+            ``max_memory``, ``batch_chunk_size``, ``recover_oom``, ``column_parallel``,
+            ``progress`` (the fields of :class:`ChunkOptions`, documented there). With
+            none of them, one backward pass over all columns. ``distributed`` is the
+            deprecated name of ``column_parallel``.
 
     Returns:
         One tensor per parameter with ``requires_grad``, keyed and ordered as
@@ -384,10 +491,10 @@ def diag_ggn(
         pair ``(diagonal, report)``.
 
     Raises:
-        TypeError: For arguments of the wrong type (the message names the argument).
-        ValueError: For unsupported layers or losses, mismatched shapes, devices or
-            dtypes, and out-of-range or conflicting chunk arguments, before any backward
-            pass.
+        TypeError: For arguments of the wrong type or unknown keywords (named).
+        ValueError: For unsupported losses, mismatched shapes, devices or dtypes,
+            conflicting chunk arguments, before any backward pass.
+        SampleCouplingError: If samples influence each other (BatchNorm in training).
         MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
 
     Examples:
@@ -399,15 +506,14 @@ def diag_ggn(
         >>> [tuple(v.shape) for v in diag.values()]
         [(8, 4), (8,), (4, 8), (4,)]
     """
-    options = ChunkOptions(
-        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
-    )
-    if not isinstance(per_sample, bool):
-        raise TypeError(f"per_sample must be True or False, got {per_sample!r}.")
+    _legacy_distributed(chunking, "diag_ggn")
+    resolved = ChunkOptions.resolve(options, chunking, "diag_ggn")
+    check_flag(per_sample, "per_sample")
+    check_flag(return_report, "return_report")
     sampling = Sampling.of(mc_samples, generator)
     spec = PerSampleDiagonal if per_sample else DiagonalGGN
     result = _evaluate(
-        model, loss_func, inputs, targets, options, spec=spec, sampling=sampling
+        model, loss_func, inputs, targets, resolved, spec=spec, sampling=sampling
     )
     diagonal = dict(zip(result.names, result.diagonal, strict=True))
     return (diagonal, result.report) if return_report else diagonal
@@ -415,19 +521,15 @@ def diag_ggn(
 
 def kron_ggn(
     model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
+    loss_func: nn.Module | Callable[[Tensor, Tensor], Tensor],
+    inputs: Any,
     targets: Tensor,
     *,
-    num_chunks: int | None = None,
-    chunk_size: int | str | None = None,
-    max_memory: int | str | None = None,
-    batch_chunk_size: int | None = None,
-    recover_oom: bool = True,
-    distributed: bool = False,
+    options: ChunkOptions | None = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     return_report: bool = False,
+    **chunking: Any,
 ) -> dict[str, KronFactors] | tuple[dict[str, KronFactors], GGNReport]:
     """Per-layer Kronecker factors of the exact GGN (KFLR), chunked to fit a budget.
 
@@ -437,8 +539,9 @@ def kron_ggn(
     GGN block of the bias — BackPACK's ``KFLR`` and laplace-torch's
     ``BackPackGGN(stochastic=False)`` factors (see :class:`KronFactors`). ``G`` sums over
     the columns of the loss Hessian's square root, so it is split into chunks of columns
-    exactly like :func:`diag_ggn`'s diagonal, with the same options and memory budget;
-    ``A`` needs the layer inputs only and is computed once per forward pass.
+    exactly like :func:`diag_ggn`'s diagonal, with the same options and memory budget
+    (the factors are counted); ``A`` needs the layer inputs only and is computed once
+    per forward pass (normalized by the whole batch's size).
 
     A Linear on ``[N, ..., D]`` is treated as a 1×1 convolution over the extra axes:
     ``s`` is summed over them before its outer product, and ``A`` sums ``u u^T`` over
@@ -447,30 +550,25 @@ def kron_ggn(
     Args:
         model: A model whose trainable parameters are all weights and biases of
             ``nn.Linear`` or ``nn.Conv1d/2d/3d`` layers (``groups=1``), each called once
-            per forward pass; any other layers (activations, pooling, normalization
-            without trainable parameters, glue) are allowed. Freeze other parameters
+            per forward pass; any other layers are allowed. Freeze other parameters
             with ``requires_grad_(False)``.
         loss_func: Any loss :func:`diag_ggn` accepts.
-        inputs: As in :func:`diag_ggn`.
+        inputs: As in :func:`diag_ggn` (a tensor, tuple/list or dict).
         targets: As in :func:`diag_ggn`.
-        num_chunks: As in :func:`diag_ggn`.
-        chunk_size: As in :func:`diag_ggn`.
-        max_memory: As in :func:`diag_ggn` (the factors are counted).
-        batch_chunk_size: As in :func:`diag_ggn`; ``A`` is normalized by the whole
-            batch's size.
-        recover_oom: As in :func:`diag_ggn`.
-        distributed: As in :func:`diag_ggn` (output factors summed over the ranks).
+        options: The chunking settings as one :class:`ChunkOptions` (optional).
         mc_samples: As in :func:`diag_ggn`: output factors from ``k`` sampled columns
             (unbiased; BackPACK's ``KFAC``-style Monte-Carlo estimate of ``G``).
         generator: As in :func:`diag_ggn`.
         return_report: Also return a :class:`GGNReport`.
+        **chunking: Or the same settings as keywords, as in :func:`diag_ggn`
+            (``column_parallel`` sums the output factors over the ranks).
 
     Returns:
         ``{layer name: KronFactors}`` in the order of ``model.named_parameters()``; with
         ``return_report=True``, the pair ``(factors, report)``.
 
     Raises:
-        TypeError: For arguments of the wrong type (the message names the argument).
+        TypeError: For arguments of the wrong type or unknown keywords (named).
         ValueError: For a trainable parameter without Kronecker factors (named, before
             any work), a layer called twice or with shared parameters, and everything
             :func:`diag_ggn` refuses.
@@ -485,12 +583,12 @@ def kron_ggn(
         >>> {k: (tuple(f.output.shape), tuple(f.input.shape)) for k, f in factors.items()}
         {'0': ((8, 8), (4, 4)), '2': ((3, 3), (8, 8))}
     """
-    options = ChunkOptions(
-        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
-    )
+    _legacy_distributed(chunking, "kron_ggn")
+    resolved = ChunkOptions.resolve(options, chunking, "kron_ggn")
+    check_flag(return_report, "return_report")
     sampling = Sampling.of(mc_samples, generator)
     result = _evaluate(
-        model, loss_func, inputs, targets, options, spec=KroneckerFactors,
+        model, loss_func, inputs, targets, resolved, spec=KroneckerFactors,
         sampling=sampling,
     )  # fmt: skip
     return (result.factors, result.report) if return_report else result.factors
@@ -498,36 +596,41 @@ def kron_ggn(
 
 def loss_grad_and_diag_ggn(
     model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
+    loss_func: nn.Module | Callable[[Tensor, Tensor], Tensor],
+    inputs: Any,
     targets: Tensor,
     *,
-    num_chunks: int | None = None,
-    chunk_size: int | str | None = None,
-    max_memory: int | str | None = None,
-    batch_chunk_size: int | None = None,
-    recover_oom: bool = True,
-) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    options: ChunkOptions | None = None,
+    return_report: bool = False,
+    **chunking: Any,
+) -> (
+    tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]
+    | tuple[Tensor, dict[str, Tensor], dict[str, Tensor], GGNReport]
+):
     """Loss, gradient and exact GGN diagonal from one forward pass (per sub-batch).
 
     The gradient comes for free with the first backward pass of the GGN computation;
-    ``.grad`` is not touched. Arguments as in :func:`diag_ggn`.
+    ``.grad`` is not touched.
 
     Args:
         model: As in :func:`diag_ggn`.
         loss_func: As in :func:`diag_ggn`.
-        inputs: As in :func:`diag_ggn`.
+        inputs: As in :func:`diag_ggn` (a tensor, tuple/list or dict).
         targets: As in :func:`diag_ggn`.
-        num_chunks: As in :func:`diag_ggn`.
-        chunk_size: As in :func:`diag_ggn`.
-        max_memory: As in :func:`diag_ggn`.
-        batch_chunk_size: As in :func:`diag_ggn`; loss and gradient are those of the
-            whole batch.
-        recover_oom: As in :func:`diag_ggn`.
+        options: The chunking settings as one :class:`ChunkOptions` (optional).
+        return_report: Also return a :class:`GGNReport`.
+        **chunking: Or the same settings as keywords, as in :func:`diag_ggn`; with
+            ``batch_chunk_size``, loss and gradient are those of the whole batch.
 
     Returns:
         ``(loss, gradient, diagonal)``: the detached scalar loss; gradient and diagonal
-        keyed and ordered as ``model.named_parameters()`` (trainable ones).
+        keyed and ordered as ``model.named_parameters()`` (trainable ones); with
+        ``return_report=True``, ``(loss, gradient, diagonal, report)``.
+
+    Raises:
+        TypeError: For arguments of the wrong type or unknown keywords (named).
+        ValueError: For everything :func:`diag_ggn` refuses.
+        MemoryBudgetError: If ``max_memory`` is too small for one column per pass.
 
     Examples:
         >>> import torch, ggnchunk
@@ -538,16 +641,54 @@ def loss_grad_and_diag_ggn(
         >>> bool(torch.allclose(loss, loss_func(model(X), y)))
         True
     """
-    options = ChunkOptions(
-        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom
-    )
-    result = _evaluate(model, loss_func, inputs, targets, options, need_gradient=True)
+    resolved = ChunkOptions.resolve(options, chunking, "loss_grad_and_diag_ggn")
+    check_flag(return_report, "return_report")
+    result = _evaluate(model, loss_func, inputs, targets, resolved, need_gradient=True)
     names = result.names
-    return (
+    out = (
         result.loss,
         dict(zip(names, result.gradient, strict=True)),
         dict(zip(names, result.diagonal, strict=True)),
     )
+    return (*out, result.report) if return_report else out
+
+
+def check_flag(value: Any, name: str) -> None:
+    """Refuse a non-bool flag (``return_report="no"`` is not true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+
+
+def evaluate(
+    model: nn.Module,
+    loss_func: nn.Module | Callable[[Tensor, Tensor], Tensor],
+    inputs: Any,
+    targets: Tensor,
+    options: ChunkOptions,
+    **quantity: Any,
+) -> _Evaluation:
+    """The integrations' entry point (``ggnchunk.laplace``, the dataset loop).
+
+    Internal but stable for ggnchunk's own integrations: everything the public
+    functions check is checked, and the result carries what they need beyond a dict:
+    the loss, the gradient, the mean's normalizer and the report.
+
+    Args:
+        model: As in :func:`diag_ggn`.
+        loss_func: As in :func:`diag_ggn`.
+        inputs: As in :func:`diag_ggn`.
+        targets: As in :func:`diag_ggn`.
+        options: The validated chunking settings.
+        **quantity: ``scale`` (``None``: follow the loss's reduction; ``1.0``: the
+            ``reduction="sum"`` loss), ``need_gradient``, ``spec`` (the quantity of
+            :mod:`ggnchunk._quantities`), ``sampling`` (Monte-Carlo columns).
+
+    Returns:
+        An ``_Evaluation``: ``loss``, ``gradient`` and ``diagonal`` (lists in the order
+        of ``names``), ``report``, ``normalizer``, ``names`` and ``factors``
+        (``spec=KroneckerFactors``).
+    """
+    return _evaluate(model, loss_func, inputs, targets, options, **quantity)
 
 
 def _evaluate(
@@ -567,7 +708,7 @@ def _evaluate(
     batch = check_batch(
         list(zip(problem.names, problem.params, strict=True)), inputs, targets
     )
-    group = resolve_group(True, model) if options.distributed else None
+    group = resolve_group(True, model) if options.column_parallel else None
     loss_func = problem.loss_func
     normalizer = 1.0
     if loss_func.reduction == "mean":

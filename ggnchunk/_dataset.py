@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import ChunkOptions, GGNReport, _evaluate
+from ggnchunk._api import ChunkOptions, GGNReport, evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 from ggnchunk._quantities import Sampling
 from ggnchunk._sqrt_hessians import as_loss_module
@@ -208,9 +208,12 @@ class DiagGGNAccumulator:
             (see :func:`ggnchunk.diag_ggn`); ``None``: exact.
         generator: With ``mc_samples``: one seed is drawn from it per batch
             (``None``: one draw from the global RNG per batch).
-        **options: Chunking options of :func:`ggnchunk.diag_ggn` (``num_chunks``,
-            ``chunk_size``, ``max_memory``, ``batch_chunk_size``, ``recover_oom``),
-            used for every batch.
+        options: The chunking settings for every batch, as one
+            :class:`~ggnchunk.ChunkOptions` (optional).
+        **chunking: Or the same settings as keywords (the fields of
+            :class:`~ggnchunk.ChunkOptions`: ``num_chunks``, ``chunk_size``,
+            ``max_memory``, ``batch_chunk_size``, ``recover_oom``, ``column_parallel``,
+            ``progress``).
 
     Examples:
         >>> import torch, ggnchunk
@@ -222,32 +225,24 @@ class DiagGGNAccumulator:
         (12, ['bias', 'weight'])
     """
 
-    _OPTIONS = ("num_chunks", "chunk_size", "max_memory", "batch_chunk_size", "recover_oom")
-
     def __init__(
         self,
         model: nn.Module,
         loss_func: nn.Module,
         *,
+        options: ChunkOptions | None = None,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         mc_samples: int | None = None,
         generator: torch.Generator | None = None,
-        **options: Any,
+        **chunking: Any,
     ):
+        self.options = ChunkOptions.resolve(options, chunking, "DiagGGNAccumulator")
         Sampling.of(mc_samples, generator)  # checked here, before any batch
         self.mc_samples, self.generator = mc_samples, generator
-        unknown = set(options) - set(self._OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"unknown option(s) {sorted(unknown)}; DiagGGNAccumulator takes "
-                f"{', '.join(self._OPTIONS)}."
-            )
         # a plain function loss(output, target) is a sum (its module form says so)
         self.model, self.loss_func = model, as_loss_module(loss_func)
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
-        self.options = {"recover_oom": True, **dict.fromkeys(self._OPTIONS[:4]), **options}
-        self._chunking = ChunkOptions(**self.options)
         self.reset()
 
     def reset(self) -> None:
@@ -279,8 +274,8 @@ class DiagGGNAccumulator:
             )
             if whole:
                 model, inputs = mapping_call(self.model, inputs)
-        result = _evaluate(
-            model, self.loss_func, inputs, targets, self._chunking, scale=1.0,
+        result = evaluate(
+            model, self.loss_func, inputs, targets, self.options, scale=1.0,
             sampling=Sampling.of(self.mc_samples, self.generator),
         )  # fmt: skip
         names = [n.removeprefix("model.") for n in result.names] if whole else result.names
@@ -381,7 +376,8 @@ def diag_ggn_dataset(
     dict_key_y: str = "labels",
     progress: bool | None = None,
     distributed: bool | None = None,
-    **options: Any,
+    options: ChunkOptions | None = None,
+    **chunking: Any,
 ) -> dict[str, Tensor]:
     """Exact GGN diagonal of the empirical risk over a whole dataset.
 
@@ -406,9 +402,12 @@ def diag_ggn_dataset(
             initialized; ``True``: require one; ``False``: never communicate. Each rank
             iterates its own share (a ``DistributedSampler`` or the user's sharding);
             every rank ends with the same result.
-        **options: Chunking options of :func:`ggnchunk.diag_ggn` for every batch, and
-            ``mc_samples``/``generator`` of :class:`DiagGGNAccumulator` (Monte-Carlo
-            columns, one seed per batch).
+        options: The chunking settings for every batch, as one
+            :class:`~ggnchunk.ChunkOptions` (optional); its ``progress`` shows a bar
+            over the backward passes within each batch.
+        **chunking: Or the same settings as keywords, as in :func:`ggnchunk.diag_ggn`,
+            and ``mc_samples``/``generator`` of :class:`DiagGGNAccumulator`
+            (Monte-Carlo columns, one seed per batch).
 
     Returns:
         One tensor per trainable parameter, keyed and ordered as
@@ -433,21 +432,30 @@ def diag_ggn_dataset(
         >>> sorted(diag)
         ['linear.bias', 'linear.weight']
     """
+    sampling = {k: chunking.pop(k) for k in ("mc_samples", "generator") if k in chunking}
     group = resolve_group(distributed, model)
     accumulator = DiagGGNAccumulator(
-        model, loss_func, dict_key_x=dict_key_x, dict_key_y=dict_key_y, **options
+        model,
+        loss_func,
+        options=ChunkOptions.resolve(options, chunking, "diag_ggn_dataset"),
+        dict_key_x=dict_key_x,
+        dict_key_y=dict_key_y,
+        **sampling,
     )
     device = next(p.device for p in model.parameters() if p.requires_grad)
     show = sys.stderr.isatty() if progress is None else bool(progress)
     bar = None
     if show:
-        try:
+        try:  # tqdm is optional (ggnchunk[progress]): imported only when a bar is shown
             from tqdm.auto import tqdm
-
+        except ImportError:
+            if progress:
+                raise ImportError(
+                    "progress=True needs tqdm: pip install tqdm (or ggnchunk[progress])."
+                ) from None
+        else:
             bar = tqdm(total=len(data) if hasattr(data, "__len__") else None,
                        desc="GGN diagonal", unit="batch")  # fmt: skip
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            bar = None
     try:
         for batch in data:
             split_batch(batch, dict_key_x, dict_key_y)  # its shape, before any copy

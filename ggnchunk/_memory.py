@@ -44,6 +44,12 @@ class PeakMemory:
         method: ``"cuda-allocator"`` or ``"rss-poll"``.
         seconds: Wall time of the call (on CPU slowed a little by the poller).
         result: What the callable returned.
+
+    On the CPU the peak is the rise of the process's resident set size: memory the
+    allocator freed earlier and reuses does not move it, so after earlier calls a
+    large computation can show a tiny peak (0.1 MiB). Measure in a fresh process (or
+    on CUDA, where the allocator's own statistics are used) for the computation's size.
+    The ``repr`` is a one-line summary without ``result``.
     """
 
     peak_extra_bytes: int
@@ -57,6 +63,19 @@ class PeakMemory:
     def peak_extra_mib(self) -> float:
         """``peak_extra_bytes`` in MiB."""
         return self.peak_extra_bytes / MiB
+
+    def __repr__(self) -> str:
+        note = (
+            " (CPU: RSS rise; reused memory not counted)"
+            if self.method == "rss-poll"
+            else ""
+        )
+        return (
+            f"PeakMemory(peak_extra={self.peak_extra_mib:.1f} MiB{note}, "
+            f"baseline={self.baseline_bytes / MiB:.1f} MiB, device={self.device!r}, "
+            f"method={self.method!r}, seconds={self.seconds:.3f}, "
+            f"result={type(self.result).__name__})"
+        )
 
 
 def measure_peak_memory(

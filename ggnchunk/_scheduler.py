@@ -219,6 +219,18 @@ class ScheduleReport:
         peaks = [c.peak_extra_bytes for c in self.chunks if c.peak_extra_bytes is not None]
         return max(peaks) if peaks else None
 
+    def __repr__(self) -> str:
+        """A one-line summary, not every chunk record (those are in ``chunks``)."""
+        peak = self.peak_extra_bytes
+        budget = self.budget_bytes
+        return (
+            f"ScheduleReport(mode={self.mode!r}, total={self.total}, "
+            f"passes={len(self.chunks)}, chunk_size={self.chunk_size}, "
+            f"peak={'not measured' if peak is None else f'{peak / 2**20:.1f} MiB'}, "
+            f"budget={'none' if budget is None else f'{budget / 2**20:.1f} MiB'}, "
+            f"oom_splits={self.out_of_memory_splits})"
+        )
+
     @property
     def seconds(self) -> float:
         """Seconds spent in chunks."""

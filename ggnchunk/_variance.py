@@ -163,8 +163,9 @@ def output_variance(
         (5, 3)
     """
     options = ChunkOptions(
-        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom, distributed
-    )
+        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom,
+        column_parallel=distributed,
+    )  # fmt: skip
     problem = Problem.build(model, None)
     variance = _check_variance(problem, posterior_variance)
     size = _batch_size(inputs)
@@ -172,7 +173,7 @@ def output_variance(
     batch = check_batch(
         list(zip(problem.names, problem.params, strict=True)), inputs, placeholder
     )
-    group = resolve_group(True, model) if options.distributed else None
+    group = resolve_group(True, model) if options.column_parallel else None
     spec = partial(OutputVariance, variance=variance)
     with (
         model_lock(model),

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import ChunkOptions, _evaluate
+from ggnchunk._api import ChunkOptions, evaluate
 from ggnchunk._dataset import mapping_call
 from ggnchunk._quantities import KroneckerFactors, Sampling
 
@@ -72,15 +72,16 @@ class ChunkedGGN(GGNInterface):
             root per batch (see ``mc_samples`` of :func:`ggnchunk.diag_ggn`; one draw
             from the global RNG per batch), unbiased; ``False`` (default): exact.
         num_samples: Sampled columns per batch with ``stochastic=True``.
-        **chunking: Options of :func:`ggnchunk.diag_ggn`: ``max_memory``,
-            ``num_chunks``, ``chunk_size``, ``batch_chunk_size``, ``recover_oom``.
+        options: The chunking settings as one :class:`~ggnchunk.ChunkOptions`
+            (``backend_kwargs={"options": ...}``), optional.
+        **chunking: Or the same settings as keywords (``backend_kwargs``): the fields
+            of :class:`~ggnchunk.ChunkOptions` (``max_memory``, ``num_chunks``,
+            ``chunk_size``, ``batch_chunk_size``, ``recover_oom``, ...).
 
     ``hessian_structure="diag"`` (:meth:`diag`) and ``"kron"`` (:meth:`kron`, the factors
     of ``BackPackGGN(stochastic=False)``) are supported; :meth:`full` raises a
     ``NotImplementedError`` that names laplace-torch's backends for it.
     """
-
-    _OPTIONS = ("max_memory", "num_chunks", "chunk_size", "batch_chunk_size", "recover_oom")
 
     def __init__(
         self,
@@ -92,14 +93,11 @@ class ChunkedGGN(GGNInterface):
         dict_key_y: str = "labels",
         stochastic: bool = False,
         num_samples: int = 1,
+        options: ChunkOptions | None = None,
         **chunking: Any,
     ):
-        unknown = set(chunking) - set(self._OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"unknown backend_kwargs {sorted(unknown)}; ChunkedGGN takes "
-                f"{', '.join(self._OPTIONS)} (and laplace-torch's own arguments)."
-            )
+        # checked here, before any fit
+        self._options = ChunkOptions.resolve(options, chunking, "ChunkedGGN")
         if not isinstance(stochastic, bool):
             raise TypeError(f"stochastic must be True or False, got {stochastic!r}.")
         if stochastic:
@@ -107,7 +105,6 @@ class ChunkedGGN(GGNInterface):
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x,
                          dict_key_y, stochastic, num_samples)  # fmt: skip
         self.chunking = chunking
-        self._options = ChunkOptions(**chunking)  # checked here, before any fit
 
     def diag(
         self, x: Tensor | MutableMapping[str, Any] | tuple | list, y: Tensor, **kwargs: Any
@@ -133,8 +130,8 @@ class ChunkedGGN(GGNInterface):
             ValueError: For inputs and targets with different batch sizes.
         """
         model, inputs, y = self._prepare(x, y)
-        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
-                           sampling=self._sampling())  # fmt: skip
+        result = evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
+                          sampling=self._sampling())  # fmt: skip
         flat = torch.cat([value.flatten() for value in result.diagonal])
         if self.subnetwork_indices is not None:
             flat = flat[self.subnetwork_indices]
@@ -238,8 +235,8 @@ class ChunkedGGN(GGNInterface):
                 everything :meth:`diag` refuses.
         """
         model, inputs, y = self._prepare(x, y)
-        result = _evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
-                           spec=KroneckerFactors, sampling=self._sampling())  # fmt: skip
+        result = evaluate(model, self.lossfunc, inputs, y, self._options, scale=1.0,
+                          spec=KroneckerFactors, sampling=self._sampling())  # fmt: skip
         samples = result.report.batch_chunks[-1][1]  # the input factors are / samples
         by_name: dict[str, list[Tensor]] = {}
         for layer in result.factors.values():

@@ -46,16 +46,22 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                                                num_chunks=2)  # fmt: skip
         elif mode == "global-chunks":  # num_chunks counts the passes of all ranks
             result, report = ggnchunk.diag_ggn(
-                model, loss_func, x, y, distributed=True, num_chunks=4, return_report=True
+                model,
+                loss_func,
+                x,
+                y,
+                column_parallel=True,
+                num_chunks=4,
+                return_report=True,
             )
             torch.save(report.num_passes, Path(out) / f"rank{rank}.passes")
         elif mode == "three-columns":  # fewer columns than chunks, and a budget
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()
-            result = ggnchunk.diag_ggn(model, loss_func, x, y[:, :3], distributed=True,
+            result = ggnchunk.diag_ggn(model, loss_func, x, y[:, :3], column_parallel=True,
                                        max_memory="256MiB")  # fmt: skip
         elif mode == "kron":  # output factors summed over the ranks, input factors not
-            factors = ggnchunk.kron_ggn(model, loss_func, x, y, distributed=True,
+            factors = ggnchunk.kron_ggn(model, loss_func, x, y, column_parallel=True,
                                         num_chunks=3)  # fmt: skip
             result = {name: (f.output, f.input) for name, f in factors.items()}
         elif mode == "sub-batches":  # per-sample parts and output variances joined
@@ -68,7 +74,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             )  # fmt: skip
             result = {"per_sample": per_sample, "variance": variance}
         else:  # chunk-parallel: same batch everywhere, columns split over the ranks
-            result = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
+            result = ggnchunk.diag_ggn(model, loss_func, x, y, column_parallel=True,
                                        num_chunks=2)  # fmt: skip
         torch.save(result, Path(out) / f"rank{rank}.pt")
     except Exception:

@@ -212,7 +212,9 @@ def test_distributed_and_the_dataset_loop_on_a_one_rank_nccl_group():
                             rank=0, world_size=1)  # fmt: skip
     try:
         for options in ({"num_chunks": 3}, {"max_memory": "64MiB"}):
-            actual = ggnchunk.diag_ggn(cuda, loss_func, xc, yc, distributed=True, **options)
+            actual = ggnchunk.diag_ggn(
+                cuda, loss_func, xc, yc, column_parallel=True, **options
+            )
             assert_diag_close(actual, expected, rtol=1e-9, label=f"distributed {options}")
         batches = [(xc[i : i + 4], yc[i : i + 4]) for i in range(0, 9, 4)]
         actual = ggnchunk.diag_ggn_dataset(cuda, loss_func, batches, progress=False,

@@ -77,7 +77,7 @@ def test_dataset_errors():
         ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), [X], progress=False)
     with pytest.raises(RuntimeError, match="no torch.distributed process group"):
         ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), [(X, X)], distributed=True)
-    with pytest.raises(TypeError, match="unknown option"):
+    with pytest.raises(TypeError, match="unknown keyword"):
         ggnchunk.DiagGGNAccumulator(model, nn.MSELoss(), chunks=3)
 
 

@@ -87,7 +87,7 @@ def test_ranks_with_different_models_are_refused():
 def test_chunk_parallel_without_a_process_group():
     x, y = data()
     with pytest.raises(RuntimeError, match="init_process_group"):
-        ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y, distributed=True)
+        ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y, column_parallel=True)
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def test_autoencoder_with_784_outputs_under_a_300mib_budget():
 
 
 def test_backend_arguments_are_checked():
-    with pytest.raises(TypeError, match="unknown backend_kwargs"):
+    with pytest.raises(TypeError, match="unknown keyword"):
         ChunkedGGN(_model(3), "regression", chunks=3)
     with pytest.raises(TypeError, match="num_samples must be a positive int"):
         ChunkedGGN(_model(3), "regression", stochastic=True, num_samples=0)
