@@ -6,9 +6,9 @@ Launch with torchrun (``gloo`` on CPU, ``nccl`` on GPUs)::
 
 ``--mode dataset`` (default): each rank takes its share of the data with a
 ``DistributedSampler`` and ``diag_ggn_dataset`` sums the partial diagonals with one
-all-reduce. ``--mode chunks``: every rank runs the forward pass on the same batch and its
-share of the output chunks (``diag_ggn(..., column_parallel=True)``). Rank 0 also computes the
-single-process result and prints the largest relative error. Without torchrun it runs as
+all-reduce. ``--mode chunks``: every rank runs the forward pass on the same batch and
+its share of the output chunks (``diag_ggn(..., column_parallel=True)``). Rank 0 also
+computes the single-process result and prints the largest relative error. Without torchrun it runs as
 one process.
 """
 
