@@ -8,8 +8,8 @@ Launch with torchrun (``gloo`` on CPU, ``nccl`` on GPUs)::
 ``DistributedSampler`` and ``diag_ggn_dataset`` sums the partial diagonals with one
 all-reduce. ``--mode chunks``: every rank runs the forward pass on the same batch and
 its share of the output chunks (``diag_ggn(..., column_parallel=True)``). Rank 0 also
-computes the single-process result and prints the largest relative error. Without torchrun it runs as
-one process.
+computes the single-process result and prints the largest relative error. Without
+torchrun it runs as one process.
 """
 
 from __future__ import annotations
