@@ -16,7 +16,7 @@ from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._graph import SampleCouplingError
 from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
-from ggnchunk._rules import supported_layers_table
+from ggnchunk._rules import register_rule, supported_layers_table
 from ggnchunk._scheduler import (
     ChunkRecord,
     ChunkScheduler,
@@ -27,7 +27,7 @@ from ggnchunk._scheduler import (
     clear_autotune_cache,
     plan_chunks,
 )
-from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning
+from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning, register_loss
 from ggnchunk._variance import output_variance
 
 
@@ -84,6 +84,9 @@ __all__ = [
     "measure_peak_memory",
     "PeakMemory",
     "parse_memory",
+    # extending (ggnchunk.extend has the interfaces)
+    "register_rule",
+    "register_loss",
     # introspection
     "supported_layers_table",
 ]

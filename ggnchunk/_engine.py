@@ -476,8 +476,7 @@ class GGNComputation:
         for call in self._recording.calls:
             call.ctx.lean = lean
             if lean:
-                call.ctx.extra.pop("patches", None)
-                call.ctx.extra.pop("squares", None)
+                call.ctx.caches.drop_for_lean()
 
     def _require_factor(self) -> SqrtHessianFactor:
         if self._factor is None:

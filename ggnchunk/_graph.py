@@ -395,7 +395,10 @@ class Recording:
             An upper bound.
         """
         kept = sum(
-            max(0, _rule_bytes(call, element)[1] - _held_bytes(call.ctx))
+            max(
+                0,
+                _rule_bytes(call, element)[1] - call.ctx.caches.held_bytes(call.ctx.inputs),
+            )
             for call in self.calls
         )
         transient = max((_rule_bytes(call, element)[2] for call in self.calls), default=0)
@@ -642,9 +645,6 @@ class Recording:
         self.sweep(seed, Quantity(), visit)
 
 
-_BOUNDED_CACHES = ("patches", "gram", "x_hat", "normalized")  # what fixed bounds count
-
-
 def _elementwise(operation: str) -> bool:
     """Whether vmap's per-column loop over ``operation`` costs only kernel launches.
 
@@ -675,20 +675,3 @@ def _rule_bytes(call: Call, element: int) -> tuple[int, int, int]:
     if call.leaf is None:  # nothing to do at all
         return 0, 0, 0
     return rule.backprop_bytes(ctx, element)
-
-
-def _held_bytes(ctx: RuleContext) -> int:
-    """Bytes of the bounded caches a call holds now (views of its inputs excluded)."""
-    own = {t.untyped_storage().data_ptr() for t in ctx.inputs}
-    seen, total = set(), 0
-    stack = [ctx.extra[key] for key in _BOUNDED_CACHES if key in ctx.extra]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif isinstance(value, torch.Tensor):
-            ptr = value.untyped_storage().data_ptr()
-            if ptr not in own and ptr not in seen:
-                seen.add(ptr)
-                total += value.untyped_storage().nbytes()
-    return total

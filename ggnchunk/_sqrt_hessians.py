@@ -798,3 +798,42 @@ def lookup_loss(loss_func: object) -> LossSqrtHessian:
     if not isinstance(loss_func, nn.Module):
         raise TypeError(f"loss_func must be a loss module, got {type(loss_func).__name__}.")
     return LOSSES.get(type(loss_func), _AUTOGRAD)
+
+
+def register_loss(handler: LossSqrtHessian, *, overwrite: bool = False) -> None:
+    """Give a loss class a closed-form Hessian square root, without editing ggnchunk.
+
+    Losses without one are handled exactly by autograd (their Hessian per sample,
+    factorized); a closed form is faster and exact for any output size.
+
+    Args:
+        handler: An instance of a :class:`LossSqrtHessian` subclass whose ``loss_class``
+            is the (exact) loss class it handles.
+        overwrite: Replace the handler registered for that class.
+
+    Raises:
+        TypeError: If ``handler`` is a class or not a :class:`LossSqrtHessian`, or its
+            ``loss_class`` is not an ``nn.Module`` subclass.
+        ValueError: If the class has a handler and ``overwrite`` is false.
+    """
+    if isinstance(handler, type):
+        raise TypeError(
+            f"register_loss takes a handler instance, got the class {handler.__name__}; "
+            f"instantiate it: register_loss({handler.__name__}())."
+        )
+    if not isinstance(handler, LossSqrtHessian):
+        raise TypeError(
+            f"handler must be a ggnchunk LossSqrtHessian, got {type(handler).__name__}."
+        )
+    cls = getattr(handler, "loss_class", None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(
+            f"{type(handler).__name__}.loss_class must be an nn.Module subclass, got "
+            f"{cls!r}."
+        )
+    if cls in LOSSES and not overwrite:
+        raise ValueError(
+            f"{cls.__name__} already has the handler {type(LOSSES[cls]).__name__}; pass "
+            "overwrite=True to replace it."
+        )
+    LOSSES[cls] = handler

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ggnchunk
-from ggnchunk._rules import _use_gram, square_sum
+from ggnchunk._rules.kernels import square_sum, use_gram
 from tests.reference import assert_diag_close, reference_diag_ggn
 
 LAYERS = {
@@ -153,7 +153,7 @@ CONVOLUTIONS = [name for name in LAYERS if name.startswith("conv")]
 def test_convolution_backprop_by_the_input_gradient_kernel_is_exact(name, monkeypatch):
     # large weights are backpropagated by convolution_backward instead of the transposed
     # convolution: force that path on the small test layers
-    monkeypatch.setattr(ggnchunk._rules, "_SMALL_WEIGHT", -1)
+    monkeypatch.setattr(ggnchunk._rules.conv, "SMALL_WEIGHT", -1)
     test_rule_is_exact(name, False, False, monkeypatch)
 
 
@@ -173,7 +173,7 @@ def test_square_sum_forms_agree_with_a_plain_einsum(v, n, g, o, k, p):
 
 
 def test_both_contraction_forms_are_chosen_somewhere():
-    assert _use_gram(100, 2, 1, 8, 9, 3) and not _use_gram(1, 2, 1, 8, 9, 40)
+    assert use_gram(100, 2, 1, 8, 9, 3) and not use_gram(1, 2, 1, 8, 9, 40)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ def test_square_sum_keeps_no_gram_factor_beyond_the_planned_chunk_size():
     # a bound made for chunks of one column reserves no Gram factor where the direct
     # form wins for one column: a larger chunk must then not build one either
     v, n, g, o, k, p = 50, 2, 1, 8, 9, 3
-    assert _use_gram(v, n, g, o, k, p) and not _use_gram(1, n, g, o, k, p)
+    assert use_gram(v, n, g, o, k, p) and not use_gram(1, n, g, o, k, p)
     torch.manual_seed(2)
     a = torch.randn(v, n, g, o, p, dtype=torch.float64)
     b = torch.randn(n, g, k, p, dtype=torch.float64)

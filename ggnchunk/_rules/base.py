@@ -1,0 +1,334 @@
+"""What every rule is: its context (one call of its layer) and its interface."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Caches", "LayerRule", "RuleContext", "gram_of_sums", "trainable"]
+
+
+@dataclass
+class Caches:
+    """What a rule keeps between the chunks of one forward pass, named and typed.
+
+    Each built-in cache says here whether a lean pass drops it (it is then made again
+    per sample, see :attr:`RuleContext.lean`) and whether the rules' memory bounds count
+    it as kept (``fixed_bytes``): views of the layer's input and small statistics are
+    not counted. A rule registered from outside keeps what it needs in :attr:`custom`.
+
+    Attributes:
+        patches: A convolution's unfolded input patches, ``[N, G, K, P]``.
+        gram: The Gram factor of the fixed side of
+            :func:`~ggnchunk._rules.kernels.square_sum`, ``[N, G, K, P, P]``.
+        squares: The input's squares, for the output layer's one-hot form.
+        grouped: A transposed convolution's input viewed as ``[N, G, C_in/G, P]``.
+        x_hat: BatchNorm's input normalized by its running statistics.
+        normalized: LayerNorm/GroupNorm's ``(x_hat [N, M, D], 1/std [N, M, 1])``.
+        running: BatchNorm's running ``(mean, var)``, cloned at forward time.
+        custom: Anything a registered rule keeps (not counted, never dropped).
+    """
+
+    patches: Tensor | None = None
+    gram: Tensor | None = None
+    squares: Tensor | None = None
+    grouped: Tensor | None = None
+    x_hat: Tensor | None = None
+    normalized: tuple[Tensor, Tensor] | None = None
+    running: tuple[Tensor, Tensor] | None = None
+    custom: dict[str, Any] = field(default_factory=dict)
+
+    LEAN_DROPS: ClassVar[tuple[str, ...]] = ("patches", "squares")
+    """Recomputed per sample in lean passes instead of kept."""
+    COUNTED: ClassVar[tuple[str, ...]] = ("patches", "gram", "x_hat", "normalized")
+    """What the rules' ``fixed_bytes`` count as kept."""
+
+    def drop_for_lean(self) -> None:
+        """Free the caches a lean pass makes again per sample."""
+        for name in self.LEAN_DROPS:
+            setattr(self, name, None)
+
+    def held_bytes(self, inputs: tuple[Tensor, ...]) -> int:
+        """Bytes of the counted caches held now (views of ``inputs`` excluded).
+
+        Args:
+            inputs: The layer's inputs: caches that share their storage cost nothing.
+
+        Returns:
+            Bytes, each storage counted once.
+        """
+        own = {t.untyped_storage().data_ptr() for t in inputs}
+        seen, total = set(), 0
+        stack: list[Any] = [getattr(self, name) for name in self.COUNTED]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (tuple, list)):
+                stack.extend(value)
+            elif isinstance(value, torch.Tensor):
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in own and ptr not in seen:
+                    seen.add(ptr)
+                    total += value.untyped_storage().nbytes()
+        return total
+
+    def names(self) -> list[str]:
+        """The names of the caches held now (for tests and reports).
+
+        Returns:
+            Field names whose value is set.
+        """
+        held = [f.name for f in fields(self) if f.name != "custom"]
+        return [n for n in held if getattr(self, n) is not None] + list(self.custom)
+
+
+@dataclass
+class RuleContext:
+    """What a rule keeps from one call of its layer (set at forward time).
+
+    Attributes:
+        module: The layer.
+        inputs: The layer's tensor inputs as it received them (detached leaves).
+        versions: Their version counters then (an in-place change is detected).
+        out_shape: Shape of the layer's output.
+        caches: What the rule keeps between chunks (see :class:`Caches`).
+        columns: Most columns a chunk can have (set once they are known; for bounds).
+        lean: Keep no per-forward caches that can be recomputed per sample (a tight
+            memory budget: unfolded patches are made one sample at a time per chunk).
+        shared: The layer's parameters take the per-sample products' path.
+        output: The layer produces the model output.
+        node: The autograd node that produced the layer's output.
+    """
+
+    module: nn.Module
+    inputs: tuple[Tensor, ...]
+    versions: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    caches: Caches = field(default_factory=Caches)
+    columns: int = 2**20
+    lean: bool = False
+    shared: bool = False
+    output: bool = False
+    node: Any = None
+
+    @property
+    def x(self) -> Tensor:
+        """The layer's first input, detached."""
+        return self.inputs[0].detach()
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """A registered rule's own caches (:attr:`Caches.custom`)."""
+        return self.caches.custom
+
+
+class LayerRule(ABC):
+    """Parameter diagonals of one kind of layer from its input and backpropagated vectors.
+
+    Subclasses set ``classes`` (layers whose ``forward`` is the one the rule knows) and
+    ``param_names``, and implement :meth:`per_sample`; :meth:`diag` may be overridden
+    by a faster form that never materializes the per-sample products.
+    """
+
+    classes: tuple[type[nn.Module], ...] = ()
+    param_names: tuple[str, ...] = ("weight", "bias")
+    description: str = ""
+    param_free = False
+    """Layers without parameters, ruled only to map vectors back faster than autograd."""
+
+    def record(self, ctx: RuleContext) -> None:  # noqa: B027 - optional hook
+        """Store what the rule needs beyond the input (called at forward time).
+
+        Args:
+            ctx: The call's context.
+        """
+
+    def check(self, name: str, module: nn.Module) -> None:  # noqa: B027 - optional
+        """Raise a ``ValueError`` if this layer cannot be handled exactly.
+
+        Args:
+            name: The layer's qualified name, for the message.
+            module: The layer.
+        """
+
+    @abstractmethod
+    def per_sample(self, ctx: RuleContext, grads: Tensor) -> dict[str, Tensor]:
+        """Per-(column, sample) parameter products ``J_theta(x_n)^T G[v, n]``.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [V, N, *param.shape]}`` for the layer's trainable parameters.
+        """
+
+    def diag(self, ctx: RuleContext, grads: Tensor) -> dict[str, Tensor]:
+        """``sum_{v, n}`` of the squared per-sample products.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [*param.shape]}``.
+        """
+        return {k: t.square().sum((0, 1)) for k, t in self.per_sample(ctx, grads).items()}
+
+    sample_free_backprop = False
+    """Whether :meth:`backprop` is the same linear map for every sample (no ``x``)."""
+
+    def diag_onehot(self, ctx: RuleContext, mask: Tensor) -> dict[str, Tensor] | None:
+        """The diagonal when the layer's output is the model output and columns are one-hot.
+
+        Column ``v`` of the square root is ``s_{n,v} e_v``, so ``J_theta(x_n)^T`` of it is
+        one row of the layer's per-sample Jacobian and its square needs ``x**2`` only:
+        the chunk's diagonal is the layer's weight gradient for input ``x**2`` and output
+        gradient ``mask = sum_v s_{n,v}**2 e_v`` — one kernel call, whatever the chunk
+        size.
+
+        Args:
+            ctx: The call's context.
+            mask: ``[N or 1, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [*param.shape]}``, or ``None`` where the rule has no such form.
+        """
+        return None
+
+    def backprop(self, ctx: RuleContext, grads: Tensor) -> Tensor | None:
+        """The vectors at the layer's input, ``[V, N, *input.shape[1:]]``, or ``None``.
+
+        ``None`` lets autograd do it on the recorded graph (batched over ``V``); a rule
+        that knows the transposed Jacobian folds ``V`` into the batch instead.
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            The backpropagated vectors, or ``None``.
+        """
+        return None
+
+    kron = False
+    """Whether the rule gives Kronecker factors (``output_factor``, ``input_factor``)."""
+
+    def kron_check(self, module: nn.Module) -> str | None:
+        """Why this layer has no Kronecker factors, or ``None`` if it has.
+
+        Args:
+            module: The layer.
+
+        Returns:
+            A reason for the error message, or ``None``.
+        """
+        if not self.kron:
+            return (
+                "Kronecker factors are available for nn.Linear and nn.Conv1d/2d/3d "
+                "(groups=1) only"
+            )
+        return None
+
+    def output_factor(self, ctx: RuleContext, grads: Tensor) -> Tensor:
+        """``sum_{v, n} s_{vn} s_{vn}^T`` with ``s_{vn}`` the vector summed over positions.
+
+        The exact GGN block of the layer's bias (BackPACK's KFLR output factor).
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``[C_out, C_out]``.
+        """
+        raise NotImplementedError  # pragma: no cover - guarded by ``kron``
+
+    def input_factor(self, ctx: RuleContext) -> Tensor:
+        """``sum_n sum_p u_{np} u_{np}^T`` over the (unfolded) inputs, not normalized.
+
+        Args:
+            ctx: The call's context.
+
+        Returns:
+            ``[K, K]`` with ``K`` the weight's fan-in (``weight[0].numel()``).
+        """
+        raise NotImplementedError  # pragma: no cover - guarded by ``kron``
+
+    def column_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule allocates per column of a chunk, at most (for memory plans).
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound per column.
+        """
+        return 2 * math.prod(ctx.out_shape) * element
+
+    def fixed_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule keeps for the whole forward pass (caches), at most.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return 0
+
+    def backprop_bytes(self, ctx: RuleContext, element: int) -> tuple[int, int, int]:
+        """Bytes of :meth:`backprop` alone (a frozen layer): per column, fixed, transient.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            Upper bounds like :meth:`column_bytes`, :meth:`fixed_bytes` and
+            :meth:`transient_bytes` for a call that has no trainable parameter.
+        """
+        return self.column_bytes(ctx, element), 0, self.transient_bytes(ctx, element)
+
+    def transient_bytes(self, ctx: RuleContext, element: int) -> int:
+        """Bytes the rule allocates and frees within its step, whatever the chunk size.
+
+        Only one layer's step runs at a time, so a plan adds the largest of these.
+
+        Args:
+            ctx: The call's context.
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        return 0
+
+
+def gram_of_sums(grads: Tensor, channel_axis: int) -> Tensor:
+    """``sum_{v, n} s s^T`` with ``s = grads[v, n]`` summed over all but the channel axis.
+
+    Args:
+        grads: ``[V, N, ...]``.
+        channel_axis: Axis of ``grads`` holding the channels.
+
+    Returns:
+        ``[C, C]``.
+    """
+    v, n = grads.shape[:2]
+    if n > 1 and grads.stride(1) == 0:  # the same vectors for every sample
+        return n * gram_of_sums(grads[:, :1], channel_axis)
+    moved = grads.movedim(channel_axis, 2)
+    sums = moved.reshape(v * n, moved.shape[2], -1).sum(2)
+    return sums.T @ sums
+
+
+def trainable(module: nn.Module, name: str) -> bool:
+    param = getattr(module, name, None)
+    return isinstance(param, nn.Parameter) and param.requires_grad

@@ -1,0 +1,329 @@
+"""Convolutions and transposed convolutions (1d, 2d, 3d)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
+from ggnchunk._rules.geometry import as_tuple, explicit_padding, unfold, window_view
+from ggnchunk._rules.kernels import (
+    BLOCK,
+    SMALL_WEIGHT,
+    products,
+    square_sum,
+    square_sum_bytes,
+    use_gram,
+)
+
+__all__ = ["ConvRule", "ConvTransposeRule"]
+
+
+def _weight_gradient_of_squares(
+    ctx: RuleContext, mask: Tensor, transposed: bool
+) -> dict[str, Tensor]:
+    """A convolution's weight gradient for input ``x**2`` and output gradient ``mask``."""
+    module, x = ctx.module, ctx.x
+    dims = x.dim() - 2
+    squares = ctx.caches.squares
+    if squares is None:
+        squares = x.square()
+        if not ctx.lean:
+            ctx.caches.squares = squares
+    mask = mask.expand(x.shape[0], *mask.shape[1:])
+    out = {}
+    if trainable(module, "weight"):
+        output_padding = as_tuple(module.output_padding, dims) if transposed else [0] * dims
+        out["weight"] = torch.ops.aten.convolution_backward(
+            mask, squares, module.weight.detach(), None, as_tuple(module.stride, dims),
+            as_tuple(module.padding, dims), as_tuple(module.dilation, dims), transposed,
+            list(output_padding), module.groups, [False, True, False],
+        )[1]  # fmt: skip
+    if trainable(module, "bias"):
+        out["bias"] = mask.sum([0, *range(2, mask.dim())])
+    return out
+
+
+class ConvRule(LayerRule):
+    """``nn.Conv1d/2d/3d``: any stride, padding (also ``"same"``, non-zero modes), groups.
+
+    The input's patches are unfolded once per forward pass.
+    """
+
+    classes = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    description = "groups, dilation, stride, all padding modes; patches unfolded once"
+
+    def _patches(self, ctx: RuleContext, sample: int | None = None) -> Tensor:
+        """``[N, G, K, P]`` (cached unless lean), or ``[1, G, K, P]`` of one sample."""
+        cached = ctx.caches.patches
+        if cached is not None:
+            return cached if sample is None else cached[sample : sample + 1]
+        module, x = ctx.module, ctx.x
+        if sample is not None:
+            x = x[sample : sample + 1]
+        dims = x.dim() - 2
+        pads = explicit_padding(module, dims)
+        flat = [p for pair in reversed(pads) for p in pair]
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        if any(flat):
+            x = F.pad(x, flat, mode=mode)
+        patches = unfold(
+            x, as_tuple(module.kernel_size, dims), as_tuple(module.stride, dims), 0,
+            as_tuple(module.dilation, dims),
+        )  # fmt: skip
+        g = module.groups
+        patches = patches.reshape(x.shape[0], g, -1, patches.shape[-1])  # [N, G, K, P]
+        if sample is None and not ctx.lean:
+            ctx.caches.patches = patches
+        return patches
+
+    def _a(self, ctx: RuleContext, grads: Tensor) -> Tensor:
+        v, n, c = grads.shape[:3]
+        g = ctx.module.groups
+        return grads.reshape(v, n, g, c // g, -1)
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        a = self._a(ctx, grads)
+        if trainable(module, "weight"):
+            v, n, g, o, p = a.shape
+            k = module.weight[0].numel()
+            if ctx.lean and not use_gram(v, n, g, o, k, p, lean=True):
+                # one sample's patches at a time, made again in every chunk
+                total = a.new_zeros(g, o, k)
+                for i in range(n):
+                    b = self._patches(ctx, i)[0]  # [G, K, P]
+                    total += torch.einsum("vgop,gkp->vgok", a[:, i], b).square_().sum(0)
+                out["weight"] = total.reshape(module.weight.shape)
+            else:
+                if ctx.lean and ctx.caches.gram is not None:
+                    # the factor is built: only the shape is read, no patches
+                    b = a.new_empty(()).expand(n, g, k, p)
+                else:
+                    b = self._patches(ctx)
+                weight = square_sum(a, b, ctx.caches, ctx.lean, ctx.columns)
+                out["weight"] = weight.reshape(module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
+        return out
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        a = self._a(ctx, grads)
+        v, n = a.shape[:2]
+        if trainable(module, "weight"):
+            out["weight"] = products(a, self._patches(ctx)).reshape(
+                v, n, *module.weight.shape
+            )
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4).reshape(v, n, -1)
+        return out
+
+    sample_free_backprop = True
+
+    def diag_onehot(self, ctx, mask):
+        module = ctx.module
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        return _weight_gradient_of_squares(ctx, mask, transposed=False)
+
+    kron = True
+
+    def kron_check(self, module):
+        if module.groups != 1:
+            return (
+                f"Kronecker factors of grouped convolutions (groups={module.groups}) are "
+                "not one Kronecker product"
+            )
+        return None
+
+    def output_factor(self, ctx, grads):
+        return gram_of_sums(grads, 2)
+
+    def input_factor(self, ctx):
+        k = ctx.module.weight[0].numel()
+        result = ctx.x.new_zeros(k, k)
+        for i in range(ctx.x.shape[0]):  # one sample's patches [K, P] at a time
+            patches = self._patches(ctx, i)[0, 0]  # groups == 1
+            result.addmm_(patches, patches.T)
+        return result
+
+    def backprop(self, ctx, grads):
+        module, x = ctx.module, ctx.x
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        dims = x.dim() - 2
+        v, n = grads.shape[:2]
+        folded = grads.reshape(v * n, *grads.shape[2:])
+        kernel, stride, padding, dilation = (
+            as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.padding,
+                                      module.dilation)
+        )  # fmt: skip
+        weight = module.weight.detach()
+        if weight.numel() > SMALL_WEIGHT:  # oneDNN's transposed convolution reorders
+            # the weight (+9 MiB on ResNet-18's last stage): the input gradient kernel
+            result = torch.ops.aten.convolution_backward(
+                folded, folded.new_empty(1).expand(v * n, *x.shape[1:]), weight, None,
+                stride, padding, dilation, False, [0] * dims, module.groups,
+                [True, False, False],
+            )[0]  # fmt: skip
+            return result.reshape(v, n, *x.shape[1:])
+        # few channels: the transposed convolution (up to 1.7x faster), with the rows
+        # the stride dropped
+        extra = [
+            size - ((out - 1) * s - 2 * p + d * (k - 1) + 1)
+            for size, out, s, p, d, k in zip(
+                x.shape[2:], grads.shape[3:], stride, padding, dilation, kernel,
+                strict=True,
+            )
+        ]  # fmt: skip
+        conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+        result = conv(folded, weight, None, stride, padding, extra, module.groups, dilation)
+        return result.reshape(v, n, *x.shape[1:])
+
+    @staticmethod
+    def _sizes(ctx: RuleContext) -> tuple[int, int, int]:
+        module = ctx.module
+        n, g = ctx.out_shape[0], module.groups
+        positions = math.prod(ctx.out_shape[2:])
+        k = module.weight.numel() // module.out_channels
+        o = module.out_channels // g
+        patches = 2 * n * g * k * positions  # padded input and unfolded patches
+        # a small weight is reordered by the transposed convolution of the backprop
+        reorder = module.weight.numel() if module.weight.numel() <= SMALL_WEIGHT else 0
+        if not ctx.lean:
+            fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
+            return fixed + patches, per_column, BLOCK + reorder
+        # lean: nothing kept but Gram factors; all patches at once only to build those
+        # (and for per-sample products), one sample's otherwise; the input's squares for
+        # the output layer's one-hot form
+        fixed, per_column = square_sum_bytes(n, g, o, k, positions, lean=True)
+        whole = fixed > 0 or ctx.shared
+        transient = (patches if whole else 2 * g * k * positions) + reorder
+        if ctx.output:
+            transient += ctx.x.numel()
+        return fixed, per_column, transient
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
+
+    def fixed_bytes(self, ctx, element):
+        return self._sizes(ctx)[0] * element
+
+    def transient_bytes(self, ctx, element):
+        return self._sizes(ctx)[2] * element
+
+    def backprop_bytes(self, ctx, element):
+        weight = ctx.module.weight.numel()
+        reorder = weight if weight <= SMALL_WEIGHT else 0
+        return self.column_bytes(ctx, element), 0, reorder * element
+
+
+class ConvTransposeRule(LayerRule):
+    """``nn.ConvTranspose1d/2d/3d``: stride, padding, ``output_padding``, groups, dilation.
+
+    BackPACK 1.7.1's rule fails with ``output_padding > 0``, the standard stride-2 decoder
+    layer; this one unfolds the backpropagated vectors on the output grid, whose patches
+    line up with the input positions for every ``output_padding``.
+    """
+
+    classes = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    description = "groups, dilation, stride, `output_padding`"
+
+    @staticmethod
+    def _geometry(module: nn.Module, dims: int) -> tuple[tuple[int, ...], ...]:
+        return (
+            as_tuple(module.kernel_size, dims), as_tuple(module.stride, dims),
+            as_tuple(module.padding, dims), as_tuple(module.dilation, dims),
+        )  # fmt: skip
+
+    def _sides(self, ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
+        module, x = ctx.module, ctx.x
+        v, n, c = grads.shape[:3]
+        g = module.groups
+        patches = unfold(
+            grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, x.dim() - 2)
+        )
+        a = patches.reshape(v, n, g, -1, patches.shape[-1])  # [V, N, G, Cout/G*K, P]
+        return a, self._b(ctx)
+
+    @staticmethod
+    def _b(ctx: RuleContext) -> Tensor:
+        b = ctx.caches.grouped
+        if b is None:
+            x, g = ctx.x, ctx.module.groups
+            b = ctx.caches.grouped = x.reshape(x.shape[0], g, x.shape[1] // g, -1)
+        return b  # [N, G, Cin/G, P]
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        v, n, c = grads.shape[:3]
+        if trainable(module, "weight"):
+            dims = ctx.x.dim() - 2
+            kernel = as_tuple(module.kernel_size, dims)
+            g = module.groups
+            view = window_view(
+                grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, dims)
+            )  # [V*N, Cout, *kernel, *positions], no copy
+            b = self._b(ctx)
+            offsets = [()]
+            for k in kernel:
+                offsets = [(*o, i) for o in offsets for i in range(k)]
+            result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
+            for j, offset in enumerate(offsets):
+                a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
+                result[:, :, j] = square_sum(  # one Gram factor of b
+                    a, b, ctx.caches, columns=ctx.columns
+                )
+            out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
+        return out
+
+    sample_free_backprop = True
+
+    def diag_onehot(self, ctx, mask):
+        return _weight_gradient_of_squares(ctx, mask, transposed=True)
+
+    def backprop(self, ctx, grads):
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        v, n, c = grads.shape[:3]
+        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        _, stride, padding, dilation = self._geometry(module, dims)
+        result = conv(
+            grads.reshape(v * n, c, *grads.shape[3:]), module.weight.detach(), None,
+            stride, padding, dilation, module.groups,
+        )  # fmt: skip
+        return result.reshape(v, n, *x.shape[1:])
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        v, n, c = grads.shape[:3]
+        if trainable(module, "weight"):
+            a, b = self._sides(ctx, grads)
+            prods = products(a, b)  # [V, N, G, Cout/G*K, Cin/G]
+            out["weight"] = prods.transpose(3, 4).reshape(v, n, *module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = grads.reshape(v, n, c, -1).sum(3)
+        return out
+
+    def column_bytes(self, ctx, element):
+        module, x = ctx.module, ctx.x
+        n, out = ctx.out_shape[0], math.prod(ctx.out_shape)
+        per_offset = n * module.out_channels * math.prod(x.shape[2:])
+        kernel = math.prod(as_tuple(module.kernel_size, x.dim() - 2))
+        products = module.weight.numel() // kernel
+        return (2 * out + per_offset + products + math.prod(x.shape)) * element
+
+    def fixed_bytes(self, ctx, element):
+        module, x = ctx.module, ctx.x
+        n, g, p = x.shape[0], module.groups, math.prod(x.shape[2:])
+        o, k = module.out_channels // g, module.in_channels // g
+        return square_sum_bytes(n, g, o, k, p, ctx.columns)[0] * element  # Gram factor
+
+    def transient_bytes(self, ctx, element):
+        return BLOCK * element  # samples batched in the direct form

@@ -1,0 +1,87 @@
+"""Pooling and upsampling: the layer's own backward kernel on all columns at once."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ggnchunk._rules.base import LayerRule
+
+__all__ = ["FoldedRule"]
+
+
+def _avg_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.avg_pool2d_backward(
+        grads, grads.new_empty(shape), node._saved_kernel_size, node._saved_stride,
+        node._saved_padding, node._saved_ceil_mode, node._saved_count_include_pad,
+        node._saved_divisor_override,
+    )  # fmt: skip
+
+
+def _nearest2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.upsample_nearest2d_backward(
+        grads, node._saved_output_size, list(shape), node._saved_scales_h,
+        node._saved_scales_w,
+    )  # fmt: skip
+
+
+def _bilinear2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return torch.ops.aten.upsample_bilinear2d_backward(
+        grads, node._saved_output_size, list(shape), node._saved_align_corners,
+        node._saved_scales_h, node._saved_scales_w,
+    )  # fmt: skip
+
+
+def _max_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+    # each output takes its input's value: scatter the vectors to the recorded argmax
+    indices = node._saved_result1  # [N, C, h, w] into the flattened H*W of each plane
+    n = indices.shape[0]
+    v = grads.shape[0] // n
+    flat = grads.reshape(v, n, shape[1], -1)
+    result = grads.new_zeros(v, n, shape[1], math.prod(shape[2:]))
+    index = indices.reshape(1, n, shape[1], -1).expand(v, -1, -1, -1)
+    return result.scatter_add_(3, index, flat).reshape(shape)
+
+
+_FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
+    "MaxPool2DWithIndicesBackward0": _max_pool2d,
+    "AvgPool2DBackward0": _avg_pool2d,
+    "UpsampleNearest2DBackward0": _nearest2d,
+    "UpsampleBilinear2DBackward0": _bilinear2d,
+}
+
+
+class FoldedRule(LayerRule):
+    """Pooling and upsampling: the layer's own backward kernel on ``V * N`` samples.
+
+    The kernel and its arguments are read from the autograd node the layer's forward
+    pass created (``torch.func`` would loop over the columns); layers whose node is not
+    one of these (other modes) are left to autograd.
+    """
+
+    classes = (nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.UpsamplingNearest2d,
+               nn.UpsamplingBilinear2d)  # fmt: skip
+    param_names = ()
+    description = "2d max/average pooling, nearest/bilinear 2d: all columns at once"
+    param_free = True
+
+    def per_sample(self, ctx, grads):
+        return {}
+
+    def backprop(self, ctx, grads):
+        node, x = ctx.node, ctx.x
+        if node is None or len(node.next_functions) != 1 or x.dim() != 4:
+            return None  # the kernels below take batched 2d inputs [N, C, H, W]
+        kernel = _FOLDED.get(node.name())
+        if kernel is None:
+            return None
+        v, n = grads.shape[:2]
+        folded = kernel(node, grads.reshape(v * n, *grads.shape[2:]), (v * n, *x.shape[1:]))
+        return folded.reshape(v, n, *x.shape[1:])
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + 2 * ctx.x.numel()) * element

@@ -1,0 +1,62 @@
+"""Convolution geometry: argument tuples, explicit padding, unfolded patches."""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["as_tuple", "explicit_padding", "unfold", "window_view"]
+
+
+def as_tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+
+def explicit_padding(module: nn.Module, dims: int) -> list[tuple[int, int]]:
+    """(left, right) zero padding per spatial dimension, ``"same"``/``"valid"`` resolved."""
+    kernel = as_tuple(module.kernel_size, dims)
+    dilation = as_tuple(module.dilation, dims)
+    if module.padding == "valid":
+        return [(0, 0)] * dims
+    if module.padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation, strict=True):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in as_tuple(module.padding, dims)]
+
+
+def window_view(x: Tensor, kernel, stride, padding, dilation) -> Tensor:
+    """``[B, C, *kernel, *positions]`` strided view of the (zero-padded) input's patches."""
+    dims = len(kernel)
+    stride, padding, dilation = (as_tuple(t, dims) for t in (stride, padding, dilation))
+    pads = [p for pad in reversed(padding) for p in (pad, pad)]
+    if any(pads):
+        x = F.pad(x, pads)
+    for d in range(dims):
+        x = x.unfold(2 + d, dilation[d] * (kernel[d] - 1) + 1, stride[d])
+        if dilation[d] > 1:
+            x = x[..., :: dilation[d]]
+    order = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
+    return x.permute(order)
+
+
+def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Tensor:
+    """Patches of ``x`` as a convolution sees them, for 1, 2 or 3 spatial dimensions.
+
+    Args:
+        x: ``[B, C, *spatial]``.
+        kernel: Kernel size per spatial dimension.
+        stride: Stride per spatial dimension.
+        padding: Zero padding per spatial dimension.
+        dilation: Dilation per spatial dimension.
+
+    Returns:
+        ``[B, C * prod(kernel), P]``: row ``c * K + j`` is channel ``c`` at kernel offset
+        ``j``, for each of the ``P`` output positions.
+    """
+    view = window_view(x, kernel, stride, padding, dilation)
+    return view.reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)

@@ -1,0 +1,144 @@
+"""The shared contraction of the weight rules and what it keeps, side by side.
+
+Many rules reduce to ``sum_{v,n} (sum_p A[v,n,g,o,p] B[n,g,k,p])**2`` with ``p`` running
+over positions (tokens, pixels): :func:`square_sum` computes it either directly (form the
+products, square) or in Gram form (``sum_{p,q} (A A^T)_{pq} (B B^T)_{pq}``), whichever
+needs fewer operations; the Gram factor of ``B`` does not depend on the chunk and is
+computed once per forward pass. :func:`square_sum_bytes` is its memory bound, next to it
+so that the two change together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ggnchunk._rules.base import Caches
+
+__all__ = [
+    "BLOCK",
+    "SMALL_WEIGHT",
+    "products",
+    "square_sum",
+    "square_sum_bytes",
+    "use_gram",
+]
+
+_GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
+BLOCK = 2**20  # elements of one batched product of the direct form (4 MiB in float32)
+SMALL_WEIGHT = 2**16  # convolution weights backpropagated by the transposed convolution
+
+
+def use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
+    if p == 1:
+        return True
+    if n * g * p * p * (o + k) > _GRAM_LIMIT:  # P x P factors too large to keep
+        return False
+    if lean:  # memory first: factors no larger than one column of the direct form
+        return n * p * p * (o + k) <= o * k and n * o * p <= o * k
+    direct = 2 * v * n * g * o * k * p + v * n * g * o * k
+    gram = 2 * v * n * g * o * p * p + 2 * n * g * o * k * p * p
+    return gram < direct
+
+
+def square_sum(
+    a: Tensor,
+    b: Tensor,
+    cache: Caches | None = None,
+    lean: bool = False,
+    columns: int | None = None,
+) -> Tensor:
+    """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
+
+    Args:
+        a: ``[V, N, G, O, P]`` (chunk-dependent side).
+        b: ``[N, G, K, P]`` (fixed for the forward pass).
+        cache: Where the Gram factor of ``b`` is kept between chunks (``gram``).
+        lean: Choose the form by memory rather than by work (a tight budget).
+        columns: The chunk size the memory bound was made for
+            (:func:`square_sum_bytes`): larger chunks choose the form that size would,
+            so that the bound holds for every chunk.
+
+    Returns:
+        ``[G, O, K]``.
+    """
+    v, n, g, o, p = a.shape
+    k = b.shape[2]
+    if use_gram(v if columns is None else min(v, columns), n, g, o, k, p, lean):
+        if p == 1:
+            return torch.einsum(
+                "ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square()
+            )
+        bb = None if cache is None else cache.gram
+        if bb is None:
+            bb = torch.einsum("ngkp,ngkq->ngkpq", b, b)
+            if cache is not None:
+                cache.gram = bb
+        aa = torch.einsum("vngop,vngoq->ngopq", a, a)
+        return torch.einsum("ngopq,ngkpq->gok", aa, bb)
+    if g == 1 and p > k and not lean and v * o * (p + k) >= BLOCK:  # one sample at a
+        # time anyway, and its rows longer than its products: its columns as a strided
+        # batch, without copying the rows
+        total = a.new_zeros(o, k)
+        for i in range(n):
+            total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
+        return total.unsqueeze(0)
+    if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most BLOCK elements
+        # of copied rows and products together (cache-sized: one sample at a time for
+        # large ones, many small products in one call)
+        step = 1 if lean else max(1, BLOCK // max(v * o * (p + k), 1))
+        total = a.new_zeros(o, k)
+        for i in range(0, n, step):
+            rows = a[:, i : i + step, 0].transpose(0, 1)  # [B, V, O, P]
+            rows = rows.reshape(rows.shape[0], v * o, p)  # one copy of the block's rows
+            block = torch.bmm(rows, b[i : i + step, 0].transpose(1, 2))
+            total += block.square_().reshape(-1, o, k).sum(0)
+        return total.unsqueeze(0)
+    return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+
+
+def square_sum_bytes(
+    n: int, g: int, o: int, k: int, p: int, columns: int = 2**20, lean: bool = False
+) -> tuple[int, int]:
+    """Elements :func:`square_sum` may keep: ``(fixed per chunk, per column)``.
+
+    Args:
+        n: Samples.
+        g: Groups.
+        o: Rows per group of the chunk-dependent side.
+        k: Rows per group of the fixed side.
+        p: Positions.
+        columns: Most columns a chunk can have (the Gram form is chosen for large
+            chunks only, so whether its factors are kept depends on it).
+        lean: The form is chosen by memory (then it does not depend on the chunk).
+
+    Returns:
+        Upper bounds in elements: the Gram factors (if the Gram form may be chosen) and
+        the per-column products of the direct form.
+    """
+    if p == 1:  # squares summed over the columns first: nothing per column
+        return n * g * (o + k), 0
+    if lean:
+        if use_gram(1, n, g, o, k, p, lean=True):  # both factors; ``a`` copied once
+            return n * g * p * p * (o + k), n * g * o * p
+        return 0, g * o * k  # one sample at a time
+    gram = use_gram(1, n, g, o, k, p) or use_gram(columns, n, g, o, k, p)
+    fixed = n * g * p * p * (o + k) if gram else 0
+    per_column = o * k if g == 1 else n * g * o * k
+    return fixed, per_column
+
+
+def products(a: Tensor, b: Tensor) -> Tensor:
+    """``sum_p a[v,n,g,o,p] b[n,g,k,p]`` as ``[V, N, G, O, K]`` (per-sample products).
+
+    Args:
+        a: ``[V, N, G, O, P]``.
+        b: ``[N, G, K, P]``.
+
+    Returns:
+        ``[V, N, G, O, K]``.
+    """
+    return torch.einsum("vngop,ngkp->vngok", a, b)

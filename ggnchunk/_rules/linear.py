@@ -1,0 +1,96 @@
+"""``nn.Linear`` on any leading axes."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
+from ggnchunk._rules.kernels import BLOCK, products, square_sum, square_sum_bytes
+
+__all__ = ["LinearRule"]
+
+
+class LinearRule(LayerRule):
+    """``nn.Linear`` on ``[N, ..., D]``; Gram form over the extra axes where cheaper."""
+
+    classes = (nn.Linear,)
+    description = "any leading axes `[N, ..., D]`"
+
+    @staticmethod
+    def _sides(ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
+        x = ctx.x
+        n, i = x.shape[0], x.shape[-1]
+        v, o = grads.shape[0], grads.shape[-1]
+        a = grads.reshape(v, n, -1, o).transpose(2, 3).unsqueeze(2)  # [V,N,1,O,P]
+        b = x.reshape(n, -1, i).transpose(1, 2).unsqueeze(1)  # [N,1,I,P]
+        return a, b
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        a, b = self._sides(ctx, grads)
+        if trainable(module, "weight"):
+            out["weight"] = square_sum(a, b, ctx.caches, columns=ctx.columns)[0]
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
+        return out
+
+    def per_sample(self, ctx, grads):
+        module, out = ctx.module, {}
+        a, b = self._sides(ctx, grads)
+        if trainable(module, "weight"):
+            out["weight"] = products(a, b)[:, :, 0]
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4)[:, :, 0]
+        return out
+
+    sample_free_backprop = True
+
+    def backprop(self, ctx, grads):
+        return grads @ ctx.module.weight.detach()
+
+    kron = True
+
+    def output_factor(self, ctx, grads):
+        return gram_of_sums(grads, grads.dim() - 1)
+
+    def input_factor(self, ctx):
+        x = ctx.x
+        flat = x.reshape(-1, x.shape[-1])
+        return flat.T @ flat
+
+    def diag_onehot(self, ctx, mask):
+        module, x = ctx.module, ctx.x
+        o, i = mask.shape[-1], x.shape[-1]
+        mask = mask.expand(x.shape[0], *mask.shape[1:]).reshape(-1, o)
+        out = {}
+        if trainable(module, "weight"):
+            out["weight"] = mask.T @ x.reshape(-1, i).square()
+        if trainable(module, "bias"):
+            out["bias"] = mask.sum(0)
+        return out
+
+    @staticmethod
+    def _sizes(ctx: RuleContext) -> tuple[int, int]:
+        x = ctx.x
+        fixed, per_column = square_sum_bytes(
+            x.shape[0], 1, ctx.out_shape[-1], x.shape[-1], x[0].numel() // x.shape[-1],
+            ctx.columns,
+        )  # fmt: skip
+        return fixed, per_column
+
+    def column_bytes(self, ctx, element):
+        return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
+
+    def fixed_bytes(self, ctx, element):
+        return self._sizes(ctx)[0] * element
+
+    def transient_bytes(self, ctx, element):
+        x = ctx.x
+        if x[0].numel() == x.shape[-1]:  # one position: squares summed, nothing blocked
+            return 0
+        return BLOCK * element  # samples batched in the direct form (also when lean)
+
+    def backprop_bytes(self, ctx, element):  # one product with the weight
+        return self.column_bytes(ctx, element), 0, 0
