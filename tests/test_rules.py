@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import ggnchunk
+from ggnchunk._rules.base import Caches
 from ggnchunk._rules.kernels import square_sum, use_gram
 from tests.reference import assert_diag_close, reference_diag_ggn
 
@@ -169,7 +170,9 @@ def test_square_sum_forms_agree_with_a_plain_einsum(v, n, g, o, k, p):
     b = torch.randn(n, g, k, p, dtype=torch.float64)
     expected = torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
     torch.testing.assert_close(square_sum(a, b), expected, rtol=1e-12, atol=0)
-    torch.testing.assert_close(square_sum(a, b, {}), expected, rtol=1e-12, atol=0)
+    cache = Caches()
+    torch.testing.assert_close(square_sum(a, b, cache), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(square_sum(a, b, cache), expected, rtol=1e-12, atol=0)
 
 
 def test_both_contraction_forms_are_chosen_somewhere():
@@ -213,7 +216,7 @@ def test_square_sum_keeps_no_gram_factor_beyond_the_planned_chunk_size():
     b = torch.randn(n, g, k, p, dtype=torch.float64)
     expected = torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
     for columns, kept in ((1, False), (2, False), (5, True), (v, True), (None, True)):
-        cache = {}
+        cache = Caches()
         torch.testing.assert_close(square_sum(a, b, cache, columns=columns), expected,
                                    rtol=1e-12, atol=0)  # fmt: skip
-        assert ("gram" in cache) is kept, columns
+        assert (cache.gram is not None) is kept, columns
