@@ -89,6 +89,30 @@ class _Source:
     workspace: int = 0  # elements per column its nodes allocate (folded attention)
 
 
+class _Waiting:
+    """The vectors a traversal holds between steps: at layer outputs and glue sources.
+
+    Vectors (or sizes) meeting at one place are added; sizes of one place are equal, so
+    their "sum" is one of them.
+    """
+
+    def __init__(self) -> None:
+        self.outs: dict[EdgeKey, Any] = {}
+        self.srcs: dict[EdgeKey, Any] = {}
+
+    @staticmethod
+    def add(store: dict[EdgeKey, Any], key: EdgeKey, value: Any) -> None:
+        old = store.get(key)
+        if old is None:
+            store[key] = value
+        elif not isinstance(value, int):
+            store[key] = old + value
+
+    def total(self) -> int:
+        """Elements waiting (size traversals)."""
+        return sum(self.outs.values()) + sum(self.srcs.values())
+
+
 class Recording:
     """Hooks on the layers with rules for one forward pass, then plan and sweeps.
 
@@ -321,11 +345,11 @@ class Recording:
     def column_bytes(self, element: int) -> int:
         """An upper bound on the bytes one square-root column costs during a sweep.
 
-        Replays the sweep on sizes alone: which backpropagated tensors are alive at each
-        step (vectors waiting at layer outputs and glue sources, the current layer's and
-        its rule's), plus autograd's buffers inside the glue (bounded by twice the
-        vectors at the glue's ends) and per-sample products of shared parameters. The
-        largest total, per column.
+        Runs the sweep's own traversal (:meth:`_traverse`) on sizes instead of tensors:
+        which backpropagated vectors are alive at each step (waiting at layer outputs and
+        glue sources, the current layer's and its rule's), plus autograd's buffers
+        inside the glue (bounded by twice the vectors at the glue's ends) and per-sample
+        products of shared parameters. The largest total, per column.
 
         Args:
             element: Bytes per element of the computation's dtype.
@@ -334,48 +358,36 @@ class Recording:
             Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
         """
         n = self._batch
-        live: dict[tuple[str, Any], int] = {}
+        waiting = _Waiting()
         worst = 0
 
-        def settle(extra: int = 0) -> None:
+        def settle(extra: int) -> None:
             nonlocal worst
-            worst = max(worst, sum(live.values()) + extra)
+            worst = max(worst, waiting.total() + extra)
 
-        def push(key: EdgeKey, size: int) -> None:
-            source = self._sources[key]
-            if source.direct:
-                live[("out", key)] = size
-                return
+        def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
             ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
             added = sum(call.out_numel for call in ends)
             buffers = 2 * (size + added) + -(-source.workspace // n)
             if source.params:
                 buffers += size + sum(self._params[i].numel() for i in source.params)
             settle(size + added + buffers)
-            for call in ends:
-                live[("out", edge_key(call.out_edge))] = call.out_numel
+            return [(call.out_edge, call.out_numel) for call in ends]
 
-        push(self.output_key, self._sources[self.output_key].numel)
-        for call in reversed(self.calls):
-            key = edge_key(call.out_edge)
-            size = live.get(("out", key))
-            if size is None:
-                continue
+        def layer(call: Call, size: int) -> int | None:
             rule = _rule_bytes(call, element)[0] // (element * n)
             shared = sum(
                 self._params[i].numel() for i, _ in call.params if i in self.shared
             )
-            settle(rule + shared)
-            if call.source is None:
-                live.pop(("out", key))
-                continue
+            settle(size + rule + shared)
+            if call.leaf is None:
+                return None
             inputs = call.ctx.x[0].numel()
-            settle(inputs)
-            live.pop(("out", key))
-            source = edge_key(call.source)
-            live[("src", source)] = inputs
-            if self._sources[source].last_consumer == call.index:
-                push(source, live.pop(("src", source)))
+            settle(size + inputs)
+            return inputs
+
+        # the sweep's own traversal, on sizes (elements per column and sample)
+        self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
         shared_total = sum(self._params[i].numel() for i in self.shared)
         # 1.5: what the sizes leave out (kernels' workspaces, the allocator's partly
         # reused blocks) measured up to ~1.5x on CPU convolutions
@@ -516,8 +528,12 @@ class Recording:
         layer: Callable[[Call, Tensor], Tensor | None],
         glue: Callable[[_Source, Tensor], list[tuple[GradientEdge, Any]]],
         visit: Callable[[str, Tensor], None] | None = None,
+        waiting: _Waiting | None = None,
     ) -> None:
-        """The traversal both sweeps share: vectors from the output back over the calls.
+        """The one traversal: vectors from the output back over the calls.
+
+        The sweeps run it on tensors and the memory bound (:meth:`column_bytes`) on
+        sizes, so the bound follows the sweep's order and liveness by construction.
 
         Vectors meeting at one place are added. ``layer(call, vectors)`` does the layer's
         work and returns the vectors at its input (``None``: nothing passes on); once
@@ -530,13 +546,10 @@ class Recording:
             layer: The work at a layer call.
             glue: The work through a glue region.
             visit: Called with ``(where, vectors)`` at every layer output and input.
+            waiting: Where the vectors wait between steps (sizes: read by the caller).
         """
-        outs: dict[EdgeKey, Tensor] = {}
-        srcs: dict[EdgeKey, Tensor] = {}
-
-        def add(store: dict, key: EdgeKey, value: Tensor) -> None:
-            old = store.get(key)
-            store[key] = value if old is None else old + value
+        waiting = _Waiting() if waiting is None else waiting
+        outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
 
         def push(key: EdgeKey, value: Tensor) -> None:
             source = self._sources[key]
