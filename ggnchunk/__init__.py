@@ -11,7 +11,6 @@ from ggnchunk._api import (
     loss_grad_and_diag_ggn,
 )
 from ggnchunk._autograd import SlowBackwardWarning
-from ggnchunk._autograd import warm_up as _warm_up
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
 from ggnchunk._graph import SampleCouplingError
 from ggnchunk._kron import KronFactors
@@ -30,26 +29,8 @@ from ggnchunk._scheduler import (
 from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning, register_loss
 from ggnchunk._variance import output_variance
 
-
-def _warm_up_engine() -> None:
-    """Pay the process's one-time set-up now, outside every call's ``max_memory``.
-
-    Batched backward passes (``torch.func``, about 40 MiB) and a first tiny call of the
-    engine (autograd's and the heap's first-use growth, about 6 MiB on CPU): the memory a
-    call adds, which ``max_memory`` bounds, is then the call's own.
-    """
-    import torch
-    from torch import nn
-
-    _warm_up()
-    with torch.random.fork_rng(devices=[]):  # the user's random state is not touched
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        x = torch.randn(3, 4)
-        diag_ggn(model, nn.MSELoss(), x, x[:, :2], num_chunks=2)
-
-
-_warm_up_engine()
+# Nothing runs at import: the one-time set-up of a process (kernels paged in, torch.func)
+# is paid lazily by its first budgeted call, before that call's baseline (_warmup.py).
 
 __version__ = "0.1.0"
 

@@ -29,6 +29,7 @@ from ggnchunk._quantities import (
     Quantity,
     Sampling,
 )
+from ggnchunk._rules import _FOLDED, ConvRule, FoldedRule
 from ggnchunk._scheduler import (
     ChunkScheduler,
     ScheduleReport,
@@ -37,6 +38,8 @@ from ggnchunk._scheduler import (
     plan_chunks,
     planning_share,
 )
+from ggnchunk._sqrt_hessians import AutogradLossSqrtHessian
+from ggnchunk._warmup import ensure_batched_autograd, warm_up_for
 
 
 @dataclass
@@ -267,6 +270,53 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
+def _warm_up(problem: Problem) -> None:
+    """The process's one-time set-up for this problem, before the call's baseline."""
+    warm_up_for(problem.model, problem.dtype, problem.device)
+    if isinstance(problem.handler, AutogradLossSqrtHessian):  # torch.func factorizes
+        ensure_batched_autograd()
+
+
+def _needs_batched_autograd(run: GGNComputation) -> bool:
+    """Whether the sweeps may backpropagate through autograd in batches (``torch.func``).
+
+    Glue between layers does, and so do the rules' fallbacks (convolutions with a
+    padding mode or string padding, folded layers the kernels do not cover); a rule-only
+    chain of layers does not. Conservative: when in doubt, true.
+    """
+    recording = getattr(run, "_recording", None)
+    if recording is None:
+        return True
+    for source in getattr(recording, "_sources", {}).values():
+        if not source.direct and (source.frontier or source.params):
+            return True
+    for call in recording.calls:
+        rule, module = call.rule, call.ctx.module
+        if isinstance(rule, FoldedRule):
+            node, x = call.ctx.node, call.ctx.x
+            if (
+                node is None or len(node.next_functions) != 1 or x.dim() != 4
+                or node.name() not in _FOLDED
+            ):  # fmt: skip
+                return True
+        if isinstance(rule, ConvRule) and (
+            module.padding_mode != "zeros" or isinstance(module.padding, str)
+        ):
+            return True
+    return False
+
+
+def _set_up_outside(tracker: PeakTracker, set_up) -> int:
+    """Run a one-time set-up in the middle of a call; return the bytes it left resident.
+
+    The baseline moves up by them, as if the set-up had run before it.
+    """
+    before = getattr(tracker, "settled", tracker.current)()
+    if not set_up():
+        return 0
+    return max(0, getattr(tracker, "settled", tracker.current)() - before)
+
+
 def _plan_for_budget(
     run: GGNComputation, budget: int, level: int, total: int, device: torch.device
 ) -> bool:
@@ -356,6 +406,8 @@ def _compute(
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
     mean = problem.loss_func is not None and problem.loss_func.reduction == "mean"
     tracker = PeakTracker(problem.device) if options.measured else None
+    if tracker is not None:  # one-time set-up is not the budget's: pay it first
+        _warm_up(problem)
     baseline = (
         getattr(tracker, "settled", tracker.current)() if tracker is not None else None
     )
@@ -367,6 +419,8 @@ def _compute(
         run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling)
         with run:
             run.forward()
+        if tracker is not None and _needs_batched_autograd(run):
+            baseline += _set_up_outside(tracker, ensure_batched_autograd)
         columns = run.num_columns
         report.num_columns = columns
         first, last, local = 0, columns, options

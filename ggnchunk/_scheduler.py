@@ -105,10 +105,10 @@ def plan_chunks(
 # grows with allocation history: a first large pass measured up to 1.5x its live sizes.
 _SAFETY = {"cuda": 0.92, "cpu": 0.7}
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
-_MIN_TUNE_PASSES = 20  # auto mode tunes only if budget mode would need this many passes
-_MIN_GAIN = 0.25  # a smaller trial size must be this much faster per index to be chosen
-# (timings of single chunks on a busy machine vary by 10-20%, and the first chunks of a
-# size pay its fresh pages: a smaller gain is more often noise than a real optimum)
+_TIE = 0.05  # auto mode: rates within 5% of the fastest count as equal (the larger wins)
+# (timings of single chunks on a busy machine vary by 10-20%; a size that looks slower
+# is timed up to three times before it is believed)
+_CACHE_BYTES = 16 * MiB  # auto mode's first size: a chunk whose bound is about this
 
 
 def planning_share(device: torch.device) -> float:
@@ -476,6 +476,10 @@ class _Run:
         self.cost: tuple[float, float] | Callable[[], tuple[float, float]] | None = None
         self.overshoot_warned = False
         self._safety = _SAFETY.get(scheduler.device.type, _SAFETY["cpu"])
+        self.budget = 0  # bytes (budget and auto modes)
+        self.ceiling = total  # no chunk above this size (a size that overshot)
+        self.one: int | None = None  # the probe's peak of one index (no bound known)
+        self.first_level = 0  # memory in use above the baseline when planning began
 
     # one chunk, with out-of-memory recovery ------------------------------------------
     def _once(self, start: int, stop: int) -> ChunkRecord:
@@ -542,18 +546,23 @@ class _Run:
         return max(1, min(self.total, int(room // max(decision.per_index, 1.0))))
 
     def run_adaptive(self) -> None:
-        """Budget and auto modes: probe, (tune,) then adapt the size chunk by chunk.
+        """Budget and auto modes: plan (from the bound, or probe), tune, then adapt.
 
-        After each full chunk the size moves toward the budget: with ``F`` the memory in
-        use before the first chunk and ``P`` the chunk's measured peak, the next size is
-        ``size * min(2, (target - F) / (P - F))`` (a chunk twice as large needs at most
-        twice the extra memory), and a chunk above the target shrinks it in proportion.
+        Every chunk is measured and checked against the budget (:meth:`_next_size`):
+        one above the planning target shrinks the size for the rest (and warns when it
+        went above the budget itself); without a known bound, sizes grow geometrically
+        from measured chunks (at most twice the largest measured size at a time, less
+        where the measured growth per index says the target is nearer), so that a
+        measurement that sees nothing (memory the allocator reuses, a page-sized
+        resolution) never licenses an unbounded chunk.
         """
         budget = self._budget()
+        self.budget = budget
+        self.first_level = max(0, self.tracker.current() - self.baseline)
         self.report.budget_bytes = budget
         key = self.s.cache_key
         cache_key = None if key is None else (key, self.s.mode, budget, self.total)
-        decision = _CACHE.get(cache_key) if cache_key is not None else None
+        cached = _CACHE.get(cache_key) if cache_key is not None else None
         start, grow = 0, True
         if self.cost is not None:
             self._from_cost(budget)  # one index must fit: checked before any work
@@ -561,60 +570,80 @@ class _Run:
                 # the first chunk of a call can leave one-time set-up behind (kernels
                 # and libraries loaded on first use): one index, then plan from after it
                 start = self.run_range(0, 1)[-1].stop
-            cached, decision = decision, self._from_cost(budget, check=False)
-            grow = self.s.device.type == "cuda"  # exact allocator statistics only
+            decision = self._from_cost(budget, check=False)
             size = self._fit_size(decision, budget)
-            if self.s.mode == "auto":
-                if cached is not None and cached.tuned and cached.chunk_size:
-                    self.report.from_cache = True
-                    size, grow, decision.tuned = min(size, cached.chunk_size), False, True
-                else:
-                    start, size, grow_more = self._tune(start, size)
-                    decision.tuned = not grow_more
-                    grow = grow and grow_more
-        elif decision is None:
+            if self.s.device.type != "cuda":  # exact allocator statistics only: on
+                self.ceiling = size  # the CPU, never past the bound's size
+        elif cached is None:
             decision, start = self._probe(budget)
-            size = self._fit_size(decision, budget)
-            if self.s.mode == "auto":
-                start, size, grow = self._tune(start, size)
-                decision.tuned = not grow  # a smaller size was faster: keep it
+            size = min(self.total, 2)  # then geometric growth from measured chunks
         else:
+            decision = cached
             self.report.from_cache = True
             size = decision.chunk_size or self._fit_size(decision, budget)
             grow = not decision.tuned
-        target = self._safety * budget
-        first_level = max(0, self.tracker.current() - self.baseline)
+        if self.s.mode == "auto" and start < self.total:
+            if cached is not None and cached.tuned and cached.chunk_size:
+                self.report.from_cache = True
+                size, grow, decision.tuned = min(size, cached.chunk_size), False, True
+            else:
+                start, size, tuned = self._tune(start, size, decision, grow)
+                decision.tuned = tuned
+                grow = grow and not tuned
         while start < self.total:
             stop = min(self.total, start + size)
             records = self.run_range(start, stop)
-            if len(records) > 1:  # split after running out of memory: stay below that
-                size = min(size, max(r.stop - r.start for r in records))
-            largest = max(records, key=lambda r: r.stop - r.start)
-            done, peak = largest.stop - largest.start, largest.peak_extra_bytes
-            # what stays resident whatever the chunk size (a lower bound, so growth stays
-            # safe: a chunk twice as large adds at most twice as much above it)
-            floor = min(first_level, largest.level_before_bytes)
-            own = peak - largest.level_before_bytes
-            if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
-                size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
-                if peak > budget:  # above the safety target only: shrink quietly
-                    self._warn_overshoot(peak, budget, size)
-            elif peak > budget and done == 1:  # nothing left to shrink: say so
-                self._warn_overshoot(peak, budget, 1)
-            elif grow and done == size and len(records) == 1 and peak <= target:
-                factor = (
-                    2.0 if peak <= floor else min(2.0, (target - floor) / (peak - floor))
-                )
-                size = max(size, min(self.total, int(size * factor)))
             start = stop
+            size = self._next_size(records, size, grow)
+        target = self._safety * budget
         decision.chunk_size = size
         decision.per_index = max(1.0, (target - decision.fixed) / max(size, 1))
         if cache_key is not None:
             _CACHE[cache_key] = decision
         self.report.fixed_bytes = decision.fixed
         self.report.bytes_per_index = decision.per_index
-        self.report.chunk_size = size
+        self.report.chunk_size = _bulk_size(self.report.chunks)
         self.warn_if_recovered()
+
+    def _next_size(self, records: list[ChunkRecord], size: int, grow: bool) -> int:
+        """The next chunk size after ``records`` (one planned chunk, or its OOM parts).
+
+        Shrinks after a chunk above the planning target (warning once if it went above
+        the budget), and with ``grow`` grows toward the target: twice the chunk at most,
+        less where the growth measured between one index and this chunk predicts the
+        target sooner. Never above the ceiling (the bound's size, or a size that
+        overshot) nor the range.
+        """
+        budget, target = self.budget, self._safety * self.budget
+        if len(records) > 1:  # split after running out of memory: stay below that
+            size = min(size, max(r.stop - r.start for r in records))
+        largest = max(records, key=lambda r: r.stop - r.start)
+        done, peak = largest.stop - largest.start, largest.peak_extra_bytes
+        if peak is None:
+            return size
+        level = largest.level_before_bytes or 0
+        # what stays resident whatever the chunk size (a lower bound, so growth stays
+        # safe: a chunk twice as large adds at most twice as much above it)
+        floor = min(self.first_level, level)
+        own = peak - level
+        if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
+            size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
+            size = min(size, done - 1)
+            self.ceiling = min(self.ceiling, size)
+            if peak > budget:  # above the safety target only: shrink quietly
+                self._warn_overshoot(peak, budget, size)
+        elif peak > budget and done == 1:  # nothing left to shrink: say so
+            self._warn_overshoot(peak, budget, 1)
+        elif grow and done >= size and len(records) == 1 and peak <= target:
+            grown = 2 * done
+            if self.one is not None and done > 1 and peak > self.one:
+                # the growth per index measured from one index to this chunk
+                slope = (peak - self.one) / (done - 1)
+                grown = min(grown, int(done + (target - peak) / slope + 1e-9))
+            elif self.one is None and peak > floor:
+                grown = min(grown, int(done * (target - floor) / (peak - floor)))
+            size = max(size, grown)
+        return max(1, min(self.total, self.ceiling, size))
 
     def _from_cost(self, budget: int, check: bool = True) -> _Decision:
         """The plan from the known bound; a budget below one index raises first.
@@ -636,6 +665,7 @@ class _Run:
                 "Raise max_memory, or make the problem smaller (e.g. batch_chunk_size "
                 "for fewer samples per forward pass)."
             )
+        self.first_level = level
         return _Decision(fixed, per_index)
 
     def _warn_overshoot(self, peak: int, budget: int, size: int) -> None:
@@ -657,17 +687,17 @@ class _Run:
         )
 
     def _probe(self, budget: int) -> tuple[_Decision, int]:
-        """Fit ``peak = fixed + per_index * s`` from two chunks of 1 and a larger chunk.
+        """Measure one index, twice (where the range has three): its peak is the start.
 
         The first chunk of a call can pay one-time costs (kernels set up and workspaces
         allocated on first use); a second one-index chunk shows the steady state, and the
-        smaller of the two peaks is the cost of one index. The second one-index chunk is
-        run only if at least three indices exist, the larger chunk (at least two indices)
-        only from what is left: with ``total`` of 1 to 3 the probe covers the range
-        exactly and never asks for indices past its end.
+        smaller of the two peaks is the cost of one index. Nothing is extrapolated from
+        it: a reading of zero (memory the allocator reused) would license any size.
+        Larger chunks then grow geometrically from measured ones (:meth:`_next_size`).
 
         Returns:
-            The fitted decision and the first index not yet computed.
+            A first decision (the level before, and the one index's growth above it as
+            the cost per index) and the first index not yet computed.
         """
         before = max(0, self.tracker.current() - self.baseline)
         rss_before = self.tracker.current()
@@ -691,75 +721,98 @@ class _Run:
                 "before the first chunk). Raise max_memory, or make the problem smaller "
                 "(e.g. batch_chunk_size for fewer samples per forward pass)."
             )
-        upper = max(one - before, 1)  # per index, conservatively
-        remaining = self.total - start
-        if remaining <= 0:
-            return _Decision(before, upper), start
-        size = int(0.5 * (self._safety * budget - before) // upper)
-        size = min(max(2, size), remaining)  # at least 2 for a slope, if there are 2
-        records = self.run_range(start, start + size)
-        largest = max(records, key=lambda r: r.stop - r.start)
-        size = largest.stop - largest.start
-        slope = (largest.peak_extra_bytes - one) / max(size - 1, 1)
-        if size < 2 or slope <= 0:  # no growth measurable: use the conservative bound
-            slope = max((largest.peak_extra_bytes - before) / size, 1.0)
-        fixed = max(before, one - slope)
-        return _Decision(fixed, slope), records[-1].stop
+        self.one, self.first_level = one, before
+        return _Decision(before, max(one - before, 1)), start
 
-    def _tune(self, start: int, size_max: int) -> tuple[int, int, bool]:
-        """Time real chunks of decreasing size; return (next start, chosen size, grow).
+    def _tune(
+        self, start: int, size_max: int, decision: _Decision, grow: bool
+    ) -> tuple[int, int, bool]:
+        """Time real chunks on a grid of sizes; return (next start, chosen size, tuned).
 
-        Small problems are not tuned: trying a smaller size costs at least one pass more
-        than budget mode would run, which is more than 5% of the time when budget mode
-        needs fewer than ``_MIN_TUNE_PASSES`` (20) passes for the rest of the range (this
-        includes every range that fits in one chunk). Auto mode then continues exactly
-        as budget mode does (``grow`` is true).
-
-        Otherwise the budget's size ``size_max`` is timed first, on two chunks (those
-        budget mode would run, so these trials cost nothing extra; the faster one counts,
-        as the first pays one-time costs of the size), then half of it, a quarter, ...
-        as long as each halving is at least 25% faster per index than the larger size,
-        timed again after it (time per index is U-shaped in the chunk size: fixed costs
-        per pass on the left, memory traffic on the right; and the first chunks of a
-        call run while the allocator still adapts) and the trials stay within
-        ``_TRIAL_SHARE`` of the range. Every trial
-        is real work, and the choice is cached by the caller. ``grow`` is true when
-        ``size_max`` stayed the fastest: larger sizes (up to the budget) may be faster
-        still.
+        Starts at a cache-friendly size (a chunk whose bound is about ``_CACHE_BYTES``;
+        2 indices where no bound is known, after the probe), not the largest that
+        fits: time per index is U-shaped in the chunk size (fixed costs per pass on the
+        left, memory traffic on the right), and the largest chunks are often slower.
+        The size then doubles while a chunk is not clearly slower per index than the
+        best so far (a size that looks slower is timed up to three times before it is
+        believed: the first chunks of a size pay fresh pages while the allocator adapts), up
+        to what the memory allows (every trial is checked like any chunk); where the
+        first doubling was slower, the size halves instead while that is faster. The
+        largest size within ``_TIE`` of the fastest rate is chosen (fewer passes for
+        equal speed). The trials are real work (nothing is computed twice) and stay
+        within ``_TRIAL_SHARE`` of the range. ``tuned`` is false when the memory, not
+        the time, stopped the search (budget mode's growth may go on).
         """
         remaining = self.total - start
-        if remaining < _MIN_TUNE_PASSES * size_max:
-            return start, size_max, True
         allowance = int(_TRIAL_SHARE * remaining)
-        best, best_rate, size, used = size_max, float("inf"), size_max, 0
+        if self.cost is not None:
+            first = _CACHE_BYTES // max(int(decision.per_index), 1)
+            size = max(1, min(size_max, 1 << max(0, first.bit_length() - 1)))
+        else:
+            size = max(1, min(size_max, 2))
+        limit = size_max if self.cost is not None else self.total
+        if remaining <= 2 * size:  # too small to compare sizes
+            return start, size, False
+        tried: dict[int, float] = {}
+        state = {"start": start, "used": 0, "allowed": limit}
 
-        def timed(first: int, size: int) -> tuple[int, float, int]:
-            """Run a chunk from ``first``: (next start, seconds per index, its size)."""
+        def timed(size: int) -> float | None:
+            """Run one chunk of ``size`` (if the allowance has room): seconds per index."""
+            if state["start"] >= self.total or state["used"] + size > allowance:
+                return None
+            first = state["start"]
             records = self.run_range(first, min(self.total, first + size))
             sizes = [r.stop - r.start for r in records]
+            state["start"], state["used"] = records[-1].stop, state["used"] + sum(sizes)
+            state["allowed"] = self._next_size(records, max(sizes), grow=True)
             rate = sum(r.seconds for r in records) / sum(sizes)
-            return records[-1].stop, rate, max(sizes)
+            done = max(sizes)
+            tried[done] = min(rate, tried.get(done, float("inf")))
+            return tried[done] if done == size else None
 
-        while size >= 1 and used + size <= allowance and start < self.total:
-            start, rate, done = timed(start, size)
-            used += size
-            if size == size_max and used + size <= allowance and start < self.total:
-                # the first chunk of the largest size pays one-time costs (fresh pages,
-                # the allocator adapting to the size): its second chunk is the rate
-                start, again, _ = timed(start, size)
-                used += size
-                rate = min(rate, again)
-            if rate >= (1.0 - _MIN_GAIN) * best_rate:
-                break  # past the sweet spot, or too little gain for more passes
-            if best_rate < float("inf") and start < self.total:
-                # the larger size was timed first, while the allocator still adapted
-                # (glibc's mmap threshold rises as large blocks are freed): time it once
-                # more, after the smaller one, before believing the gain (real work)
-                start, again, _ = timed(start, best)
-                used += best
-                best_rate = min(best_rate, again)
-                if rate >= (1.0 - _MIN_GAIN) * best_rate:
+        def better(size: int) -> bool | None:
+            """Time ``size`` (twice if it looks slower): is it not clearly slower?
+
+            ``None`` where the allowance or the range had no room for it.
+            """
+            rate = timed(size)
+            for _ in range(2):  # the first two chunks of a larger size pay fresh pages
+                # (glibc serves the first from mmap, raises its threshold when freeing
+                # it, then grows the heap for the second; the third reuses the heap)
+                if rate is None or rate <= (1.0 + _TIE) * min(tried.values()):
                     break
-            best, best_rate = done, rate
-            size = done // 2
-        return start, best, best >= size_max
+                rate = timed(size) or rate
+            if rate is None:
+                return None
+            return rate <= (1.0 + _TIE) * min(tried.values())
+
+        if timed(size) is None:
+            return state["start"], size, False
+        base, verdict, going_up = size, None, False
+        while True:
+            nxt = min(2 * size, limit, state["allowed"])
+            if nxt <= size:
+                verdict = None  # the memory stopped the search
+                break
+            verdict = better(nxt)
+            if not verdict:
+                break
+            size, going_up = nxt, True
+        if verdict is None:  # larger sizes were no slower until the memory or the
+            # allowance stopped the search: go on growing as budget mode does
+            return state["start"], max(size, min(nxt, state["allowed"])), False
+        if not going_up:
+            size = base
+            while size > 1 and better(size // 2):
+                size //= 2
+        fastest = min(tried.values())
+        best = max(s for s, rate in tried.items() if rate <= (1.0 + _TIE) * fastest)
+        return state["start"], min(best, state["allowed"]), True
+
+
+def _bulk_size(chunks: list[ChunkRecord]) -> int:
+    """The chunk size that covered the most indices (ties: the larger)."""
+    covered: dict[int, int] = {}
+    for c in chunks:
+        covered[c.stop - c.start] = covered.get(c.stop - c.start, 0) + c.stop - c.start
+    return max(covered, key=lambda s: (covered[s], s)) if covered else 0

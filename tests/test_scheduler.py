@@ -7,6 +7,8 @@ peak memory under a budget is measured in fresh processes in test_budget_memory.
 from __future__ import annotations
 
 import itertools
+import math
+import warnings
 
 import pytest
 import torch
@@ -76,9 +78,16 @@ def test_budget_mode_fits_the_budget_and_covers_everything(budget_mib):
     covered = sorted((c.start, c.stop) for c in report.chunks)
     assert covered[0][0] == 0 and covered[-1][1] == 1000
     assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
-    # the bulk chunk size is as large as the budget allows (up to the safety margin)
-    expected = min(1000, int((_SAFETY["cpu"] * budget_mib * MiB - 10 * MiB) // MiB))
-    assert report.chunk_size == expected
+    # sizes grow geometrically from measured chunks up to what the budget allows (up to
+    # the safety margin), which then runs the bulk of the range
+    expected = int((_SAFETY["cpu"] * budget_mib * MiB - 10 * MiB) // MiB)
+    sizes = [c.stop - c.start for c in report.chunks]
+    assert max(sizes) <= expected
+    assert all(b <= 2 * a for a, b in itertools.pairwise(sizes[1:]))
+    if expected < 250:
+        assert report.chunk_size == expected
+    else:  # the range ends before the growth does: the rest in one chunk
+        assert len(sizes) <= 12 and report.chunk_size == sizes[-1]
 
 
 def test_budget_too_small_for_one_index():
@@ -453,4 +462,102 @@ def test_auto_times_the_larger_size_again_before_believing_a_smaller_one():
     total, report = scheduler.run(2000, sim.run)
     assert total.item() == sum(range(2000))
     assert report.chunk_size == budget_mode.chunk_size  # no smaller size was chosen
+    ggnchunk.clear_autotune_cache()
+
+
+# -- a measurement that sees nothing licenses no unbounded chunk (issue 21) --------------
+
+
+class _HiddenMemory(SimulatedMemory):
+    """Chunks of up to ``hidden`` indices read 0 bytes, larger ones their growth.
+
+    As memory the allocator reuses, or a page-sized resolution, reads.
+    """
+
+    def __init__(self, hidden, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = hidden
+
+    def measure(self, fn):
+        result = fn()
+        if self.size <= self.hidden:
+            return result, self.level, 1e-3
+        return result, self.level + self.fixed + self.per_index * self.size, 1e-3
+
+
+@pytest.mark.parametrize("hidden", [1, 2, 8])
+def test_a_zero_reading_never_licenses_an_unbounded_chunk(hidden):
+    sim = _HiddenMemory(hidden, fixed=0, per_index=MiB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total, report = ChunkScheduler(max_memory="64MiB", tracker=sim).run(1024, sim.run)
+    assert total.item() == sum(range(1024))
+    sizes = [c.stop - c.start for c in report.chunks]
+    # sizes grow at most twice the largest measured chunk at a time
+    assert all(b <= 2 * max(sizes[: i + 1]) for i, b in enumerate(sizes[1:])), sizes
+    peak = report.peak_extra_bytes
+    overshoot = [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    # the one chunk that could overshoot is twice a hidden size: warned if above budget
+    assert peak <= 64 * MiB or overshoot, (peak, sizes)
+    assert max(sizes) <= max(2 * hidden, int(0.7 * 64)), sizes
+    # the report's chunk size is the one that ran the bulk of the range
+    covered = {s: sum(x for x in sizes if x == s) for s in sizes}
+    assert covered[report.chunk_size] == max(covered.values()), (report.chunk_size, sizes)
+
+
+def test_the_overshoot_of_a_growth_chunk_is_checked_and_warned():
+    # every chunk reads 0 until 32 indices, then a chunk of 64 shows 200 MiB: warned
+    sim = _HiddenMemory(32, fixed=0, per_index=200 * MiB // 64)
+    with pytest.warns(MemoryBudgetWarning, match="above the 64.0 MiB budget"):
+        _, report = ChunkScheduler(max_memory="64MiB", tracker=sim).run(1024, sim.run)
+    sizes = [c.stop - c.start for c in report.chunks]
+    assert sizes[sizes.index(64) + 1] < 64  # shrunk at once
+
+
+# -- auto mode: the fastest plan, with or without a budget (issue 21) --------------------
+
+
+def _u_shaped(best):
+    def seconds(size):  # time per index lowest at ``best`` indices per chunk
+        return size * (1.0 + abs(math.log2(size / best))) * 1e-3
+
+    return seconds
+
+
+class _Timed(SimulatedMemory):
+    def __init__(self, seconds, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def measure(self, fn):
+        result, peak, _ = super().measure(fn)
+        return result, peak, self.seconds(self.size)
+
+
+@pytest.mark.parametrize("best", [8, 64, 256])
+@pytest.mark.parametrize("budget", [None, "4GiB"])
+def test_auto_finds_the_fastest_size_not_the_largest_that_fits(best, budget):
+    ggnchunk.clear_autotune_cache()
+    sim = _Timed(_u_shaped(best), fixed=MiB, per_index=2**16)
+    kwargs = {} if budget is None else {"max_memory": budget}
+    total, report = ChunkScheduler(chunk_size="auto", tracker=sim, **kwargs).run(
+        4096, sim.run
+    )
+    assert total.item() == sum(range(4096))
+    assert report.chunk_size == best, [c.stop - c.start for c in report.chunks]
+    ggnchunk.clear_autotune_cache()
+
+
+@pytest.mark.parametrize("best", [4, 64, 512])
+def test_auto_with_a_known_bound_starts_cache_friendly_and_climbs(best):
+    # diag_ggn's path: the bound is known (no probe); 64 KiB per index fits 16 MiB at
+    # 256 indices, where the search starts, and 4 GiB would fit everything
+    ggnchunk.clear_autotune_cache()
+    sim = _Timed(_u_shaped(best), fixed=MiB, per_index=2**16)
+    _, report = ChunkScheduler(chunk_size="auto", max_memory="4GiB", tracker=sim).run(
+        4096, sim.run, cost=(MiB, 2**16)
+    )
+    sizes = [c.stop - c.start for c in report.chunks]
+    assert sizes[:2] == [1, 256], sizes  # one index, then the cache-friendly size
+    assert report.chunk_size == best, sizes
     ggnchunk.clear_autotune_cache()

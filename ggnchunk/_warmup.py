@@ -1,0 +1,135 @@
+"""One-time set-up of a process, paid lazily before a call's memory baseline.
+
+A process's first call of a kind of work pays costs that later calls do not: the code of
+the kernels it uses is paged in from the libraries (oneDNN's convolutions: about 14 MiB of
+resident memory the first time a convolution runs forward and backward), the engine's
+Python paths and autograd's first use, and ``torch.func``'s machinery behind batched
+backward passes (about 40 MiB: it imports ``sympy``). None of it is the call's memory:
+it stays resident whatever the call does, and a second call never pays it again. Counted
+against ``max_memory`` it made the first call in a process plan several times more passes
+than later calls, or refuse a budget that a second call met.
+
+So a budgeted (or ``"auto"``) call first runs tiny problems of the kinds of layers its
+model has (once per process, kind, dtype and device) and only then takes its baseline.
+Nothing happens at import: a process that never calls (a DataLoader worker) pays
+nothing; a forked child starts over, as its page tables do not carry the parent's code
+pages. ``torch.func`` is set up only for a call that uses it (a loss without closed form,
+or glue between layers that autograd must backpropagate in batches).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ensure_batched_autograd", "warm_up_for"]
+
+_LOCK = threading.Lock()
+_WARMED: set[tuple] = set()
+_ACTIVE = threading.local()  # the warm-up's own calls do not warm up again
+
+
+def _reset_after_fork() -> None:
+    _WARMED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _conv(cls: type, dims: int) -> Callable[[], tuple[nn.Module, tuple[int, ...]]]:
+    # batch 2 and channels 2: the shapes for which torch picks the same (oneDNN) kernels
+    # as for real batches; a batch of one takes another path
+    return lambda: (cls(2, 2, 3, padding=1), (2, 2) + (5,) * dims)
+
+
+# kinds of layers whose first use pays kernel set-up: a tiny model and its input shape
+_KINDS: dict[type, Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {
+    nn.Conv1d: _conv(nn.Conv1d, 1),
+    nn.Conv2d: _conv(nn.Conv2d, 2),
+    nn.Conv3d: _conv(nn.Conv3d, 3),
+    nn.ConvTranspose1d: _conv(nn.ConvTranspose1d, 1),
+    nn.ConvTranspose2d: _conv(nn.ConvTranspose2d, 2),
+    nn.ConvTranspose3d: _conv(nn.ConvTranspose3d, 3),
+    nn.LayerNorm: lambda: (nn.Sequential(nn.Linear(5, 5), nn.LayerNorm(5)), (2, 3, 5)),
+    nn.GroupNorm: lambda: (nn.Sequential(nn.Conv2d(2, 2, 1), nn.GroupNorm(1, 2)),
+                           (2, 2, 5, 5)),
+    nn.MaxPool2d: lambda: (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2)),
+                           (2, 2, 6, 6)),
+    nn.AvgPool2d: lambda: (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.AvgPool2d(2)),
+                           (2, 2, 6, 6)),
+}  # fmt: skip
+
+
+def _engine() -> tuple[nn.Module, tuple[int, ...]]:
+    # the engine's own first use (autograd, the sweep's Python paths, matrix products)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), (3, 4)
+
+
+def _run(build: Callable[[], tuple[nn.Module, tuple[int, ...]]], dtype, device) -> None:
+    from ggnchunk._api import diag_ggn
+
+    model, shape = build()
+    model = model.to(device=device, dtype=dtype)
+    x = torch.rand(shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        y = model(x)
+    diag_ggn(model, nn.MSELoss(), x, torch.rand_like(y), num_chunks=2)
+
+
+def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Pay the one-time set-up of ``model``'s kinds of layers now, once per process.
+
+    Runs tiny problems (a few milliseconds each after the first) under a forked random
+    state, so nothing the user owns changes. Call before taking a memory baseline.
+
+    Args:
+        model: The user's model (only the classes of its modules are read).
+        dtype: The computation's dtype.
+        device: Where it runs.
+    """
+    if getattr(_ACTIVE, "on", False):
+        return
+    kinds = {None}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if cls in _KINDS:
+                kinds.add(cls)
+                break
+    todo = [k for k in kinds if (k, dtype, str(device)) not in _WARMED]
+    if not todo:
+        return
+    devices = [device] if device.type == "cuda" else []
+    with _LOCK, torch.random.fork_rng(devices=devices):
+        _ACTIVE.on = True
+        try:
+            for kind in sorted(todo, key=lambda k: "" if k is None else k.__name__):
+                if (kind, dtype, str(device)) in _WARMED:
+                    continue
+                try:
+                    _run(_engine if kind is None else _KINDS[kind], dtype, device)
+                except Exception:
+                    pass  # (a dtype without kernels, say): the call says what is wrong
+                _WARMED.add((kind, dtype, str(device)))
+        finally:
+            _ACTIVE.on = False
+
+
+def ensure_batched_autograd() -> bool:
+    """Set up ``torch.func``'s batched backward passes once per process.
+
+    Returns:
+        Whether it ran now (``False`` when it was set up already).
+    """
+    if ("torch.func", None, None) in _WARMED:
+        return False
+    from ggnchunk._autograd import warm_up
+
+    with _LOCK:
+        warm_up()
+        _WARMED.add(("torch.func", None, None))
+    return True
