@@ -19,6 +19,7 @@ or glue between layers that autograd must backpropagate in batches).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -110,10 +111,10 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
             for kind in sorted(todo, key=lambda k: "" if k is None else k.__name__):
                 if (kind, dtype, str(device)) in _WARMED:
                     continue
-                try:
+                # a warm-up never fails a call (a dtype without kernels, say): the
+                # call itself says what is wrong
+                with contextlib.suppress(Exception):
                     _run(_engine if kind is None else _KINDS[kind], dtype, device)
-                except Exception:
-                    pass  # (a dtype without kernels, say): the call says what is wrong
                 _WARMED.add((kind, dtype, str(device)))
         finally:
             _ACTIVE.on = False
