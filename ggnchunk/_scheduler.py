@@ -103,7 +103,9 @@ def plan_chunks(
 # Aim below the budget. On CUDA the allocator's statistics are exact; on the CPU the
 # resident set size also holds what glibc keeps of freed blocks (fragmentation), which
 # grows with allocation history: a first large pass measured up to 1.5x its live sizes.
-_SAFETY = {"cuda": 0.92, "cpu": 0.7}
+# 0.85 on the CPU: the budget tests (fresh processes, default allocator, first call, warm
+# and after a one-pass call) hold with it; the bounds themselves carry their own margin.
+_SAFETY = {"cuda": 0.92, "cpu": 0.85}
 _TRIAL_SHARE = 0.5  # auto mode spends at most this share of the range on timing trials
 _TIE = 0.05  # auto mode: rates within 5% of the fastest count as equal (the larger wins)
 # (timings of single chunks on a busy machine vary by 10-20%; a size that looks slower

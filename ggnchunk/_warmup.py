@@ -64,6 +64,14 @@ _KINDS: dict[type, Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {
     nn.AvgPool2d: lambda: (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.AvgPool2d(2)),
                            (2, 2, 6, 6)),
 }  # fmt: skip
+for _cls in (nn.ReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.LeakyReLU,
+             nn.ELU, nn.Softplus):  # fmt: skip
+    # between two convolutions, as in a real model: the rule's derivative kernels and
+    # the convolution's backward into it
+    _KINDS[_cls] = (lambda cls: lambda: (
+        nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), cls(), nn.Conv2d(2, 2, 1)),
+        (2, 2, 5, 5),
+    ))(_cls)  # fmt: skip
 
 
 def _engine() -> tuple[nn.Module, tuple[int, ...]]:

@@ -1,8 +1,9 @@
 """Run one budgeted call in this (fresh) process and print its peak RSS growth as JSON.
 
 ``python -m tests._budget_worker PROBLEM BUDGET SCENARIO``: ``SCENARIO`` is ``first``
-(the first call in the process), ``warm`` (after a small call) or ``after_large`` (after
-an earlier one-pass call, as a notebook's previous cell). The peak is the kernel's own
+(the first call in the process), ``warm`` (after a small call), ``after_large`` (after
+an earlier one-pass call, as a notebook's previous cell) or ``twice`` (the first two
+calls, printed as a list, with the code each paged in). The peak is the kernel's own
 high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the
 call) minus the resident set size just before the call: exactly what a user measuring
 the call sees. No allocator variables are set: the parent removes them.
@@ -17,7 +18,7 @@ import torch
 
 import ggnchunk
 from benchmarks import problems
-from benchmarks.peak import high_water_mark_mib
+from benchmarks.peak import high_water_mark_mib, status_bytes
 
 
 def main() -> None:
@@ -25,18 +26,23 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, loss_func, x, y = getattr(problems, name)()
+    if scenario == "twice":  # the first call in the process, then a second one
+        print(json.dumps([_call(model, loss_func, x, y, budget) for _ in range(2)]))
+        return
     if scenario == "warm":
         ggnchunk.diag_ggn(model, loss_func, x[:2], y[:2], num_chunks=2)
     elif scenario == "after_large":
         ggnchunk.diag_ggn(model, loss_func, x, y)
+    code = status_bytes("RssFile")
     measured = high_water_mark_mib(
         lambda: ggnchunk.diag_ggn(
             model, loss_func, x, y, max_memory=budget, return_report=True
         )
     )
-    if measured is None:
+    if measured is None or code is None:
         raise RuntimeError("the budget tests need Linux's /proc/self/clear_refs")
     peak_mib, (diag, report) = measured
+    code_mib = (status_bytes("RssFile") - code) / 2**20
     reference = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=7)
     error = max(
         float(
@@ -45,9 +51,26 @@ def main() -> None:
         for k in diag
     )
     print(json.dumps({
-        "peak_mib": peak_mib, "passes": report.num_passes,
+        "peak_mib": peak_mib, "code_mib": code_mib, "passes": report.num_passes,
         "chunk_size": report.chunk_size, "error": error,
     }))  # fmt: skip
+
+
+def _call(model, loss_func, x, y, budget: str) -> dict:
+    """One budgeted call: its peak, the code it paged in (``RssFile``), its plan."""
+    code = status_bytes("RssFile")
+    measured = high_water_mark_mib(
+        lambda: ggnchunk.diag_ggn(
+            model, loss_func, x, y, max_memory=budget, return_report=True
+        )
+    )
+    if measured is None or code is None:
+        raise RuntimeError("the budget tests need Linux's /proc/self/clear_refs")
+    peak_mib, (_, report) = measured
+    return {
+        "peak_mib": peak_mib, "code_mib": (status_bytes("RssFile") - code) / 2**20,
+        "passes": report.num_passes, "chunk_size": report.chunk_size,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

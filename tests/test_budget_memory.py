@@ -4,8 +4,9 @@ Each case runs in a fresh process (``tests/_budget_worker.py``) in the default
 environment (every ``MALLOC_*`` variable removed), in three scenarios: the first call in
 the process, after a small warm-up call, and after an earlier one-pass call (a
 notebook's previous cell, which leaves freed memory for the allocator to reuse). The peak
-is the kernel's own high-water mark above the resident set size just before the call; it
-must stay within the budget + 10%, and the result must equal an unbudgeted call.
+is the kernel's own high-water mark above the resident set size just before the call, less
+the libraries' code the call paged in (a first call's one-time set-up); it must stay
+within the budget + 10%, and the result must equal an unbudgeted call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ CASES = [
 ]  # fmt: skip
 
 
-def _run(problem: str, budget_mib: int, scenario: str) -> dict:
+def _run(problem: str, budget_mib: int, scenario: str) -> dict | list:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "tests._budget_worker", problem,
@@ -42,6 +43,28 @@ def _run(problem: str, budget_mib: int, scenario: str) -> dict:
 @pytest.mark.parametrize(("problem", "budget_mib"), CASES)
 def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
     record = _run(problem, budget_mib, scenario)
-    assert record["peak_mib"] <= 1.1 * budget_mib, record
+    # the code of the libraries a first call pages in (its one-time set-up, paid before
+    # its baseline; shared and read-only) is not the call's memory: all else counts
+    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record  # the budget forced chunking
     assert record["error"] < 1e-5, record
+
+
+FIRST_CALL_CASES = [("tutorial_conv_ae", 12), ("tutorial_conv_ae", 64), ("mlp_ae", 32)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize(("problem", "budget_mib"), FIRST_CALL_CASES)
+def test_the_first_call_plans_as_a_warm_call(problem, budget_mib):
+    """Issue 21: the first call in a fresh process planned up to 43x the passes of a
+    second one (one-time set-up counted against the budget), or refused 12 MiB.
+
+    The one-time set-up is paid before the call's baseline; what it pages in of the
+    libraries' code (shared, read-only, ``RssFile``) is not the call's memory, all else
+    is counted.
+    """
+    first, second = _run(problem, budget_mib, "twice")
+    assert first["passes"] <= 1.25 * second["passes"] + 1, (first, second)
+    for call in (first, second):
+        assert call["peak_mib"] - call["code_mib"] <= 1.1 * budget_mib, (first, second)
