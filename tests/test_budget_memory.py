@@ -57,9 +57,10 @@ FIRST_CALL_CASES = [("tutorial_conv_ae", 12), ("tutorial_conv_ae", 64), ("mlp_ae
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize(("problem", "budget_mib"), FIRST_CALL_CASES)
 def test_the_first_call_plans_as_a_warm_call(problem, budget_mib):
-    """Issue 21: the first call in a fresh process planned up to 43x the passes of a
-    second one (one-time set-up counted against the budget), or refused 12 MiB.
+    """The first call in a fresh process plans as the second one does (issue 21).
 
+    It planned up to 43x the passes of a second call (one-time set-up counted against
+    the budget), or refused 12 MiB.
     The one-time set-up is paid before the call's baseline; what it pages in of the
     libraries' code (shared, read-only, ``RssFile``) is not the call's memory, all else
     is counted.
