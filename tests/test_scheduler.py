@@ -393,8 +393,12 @@ class _FakeRun:
      ((90 * MiB, MiB), (80 * MiB, MiB), True),  # neither fits it: the smaller bound
      ((90 * MiB, MiB), (95 * MiB, MiB), False)],  # lean no smaller: keep the caches
 )  # fmt: skip
-def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(full, lean, expected):
+def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(
+    monkeypatch, full, lean, expected
+):
     from ggnchunk._api import _plan_for_budget
+
+    monkeypatch.setitem(_SAFETY, "cpu", 0.7)  # the cases' numbers are for a 70% target
 
     run = _FakeRun(full, lean)
     chosen = _plan_for_budget(run, 100 * MiB, 5 * MiB, 100, torch.device("cpu"))
@@ -407,8 +411,12 @@ def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(full, lean, expect
 # passes of at most 53, and a bound made for 53 columns keeps no Gram factor. 10 GiB: one
 # pass of all 784 columns, planned as before.
 @pytest.mark.parametrize(("budget", "planned"), [(40 * MiB, 53), (10 * GiB, 784)])
-def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(budget, planned):
+def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(
+    monkeypatch, budget, planned
+):
     from ggnchunk._api import _plan_for_budget
+
+    monkeypatch.setitem(_SAFETY, "cpu", 0.7)  # the numbers above are for a 70% target
 
     run = _FakeRun((MiB, MiB // 2), (MiB, MiB // 2), gram_from=100)
     lean = _plan_for_budget(run, budget, 0, 784, torch.device("cpu"))
@@ -499,7 +507,7 @@ def test_a_zero_reading_never_licenses_an_unbounded_chunk(hidden):
     overshoot = [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     # the one chunk that could overshoot is twice a hidden size: warned if above budget
     assert peak <= 64 * MiB or overshoot, (peak, sizes)
-    assert max(sizes) <= max(2 * hidden, int(0.7 * 64)), sizes
+    assert max(sizes) <= max(2 * hidden, int(_SAFETY["cpu"] * 64)), sizes
     # the report's chunk size is the one that ran the bulk of the range
     covered = {s: sum(x for x in sizes if x == s) for s in sizes}
     assert covered[report.chunk_size] == max(covered.values()), (report.chunk_size, sizes)
