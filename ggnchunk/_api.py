@@ -29,7 +29,8 @@ from ggnchunk._quantities import (
     Quantity,
     Sampling,
 )
-from ggnchunk._rules import _FOLDED, ConvRule, FoldedRule
+from ggnchunk._rules import ConvRule, FoldedRule
+from ggnchunk._rules.folded import _FOLDED
 from ggnchunk._scheduler import (
     ChunkScheduler,
     ScheduleReport,
