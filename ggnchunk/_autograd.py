@@ -183,13 +183,22 @@ def _batched(
     inputs: Sequence[Target],
     grad_outputs: Sequence[Tensor],
 ) -> tuple[Tensor | None, ...]:
+    return _grad(outputs, inputs, grad_outputs, batched=True)
+
+
+def _grad(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+    batched: bool,
+) -> tuple[Tensor | None, ...]:
     return torch.autograd.grad(
         list(outputs),
         list(inputs),
         grad_outputs=list(grad_outputs),
         retain_graph=True,
         allow_unused=True,
-        is_grads_batched=True,
+        is_grads_batched=batched,
     )
 
 
@@ -209,13 +218,7 @@ def plain_grad(
         One tensor per input (``None`` where unreachable).
     """
     with quiet_autograd():
-        return torch.autograd.grad(
-            list(outputs),
-            list(inputs),
-            grad_outputs=list(grad_outputs),
-            retain_graph=True,
-            allow_unused=True,
-        )
+        return _grad(outputs, inputs, grad_outputs, batched=False)
 
 
 @contextlib.contextmanager

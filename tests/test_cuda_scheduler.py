@@ -13,29 +13,16 @@ import torch
 
 from ggnchunk import ChunkScheduler, MemoryBudgetWarning, OutOfMemoryRecoveryWarning
 from ggnchunk._scheduler import _SAFETY
+from tests.test_scheduler import SimulatedMemory
 
 MiB = 2**20
 
 
-class SimulatedAllocator:
+class SimulatedAllocator(SimulatedMemory):
     """Peak of a chunk = level + fixed + per_index * size, as ``max_memory_allocated``."""
 
     def __init__(self, fixed=8 * MiB, per_index=MiB, limit=None):
-        self.fixed, self.per_index, self.limit = fixed, per_index, limit
-        self.level, self.size = 0, 0
-
-    def current(self):
-        return self.level
-
-    def measure(self, fn):
-        result = fn()
-        return result, self.level + self.fixed + self.per_index * self.size, 1e-3
-
-    def run(self, start, stop):
-        self.size = stop - start
-        if self.limit is not None and self.fixed + self.per_index * self.size > self.limit:
-            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-        return torch.tensor(float(sum(range(start, stop))))
+        super().__init__(fixed, per_index, limit)
 
 
 @pytest.mark.parametrize("looseness", [2, 4, 16])
