@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ggnchunk._rules.activation import DERIVATIVES
+
 __all__ = ["ensure_batched_autograd", "warm_up_for"]
 
 _LOCK = threading.Lock()
@@ -64,8 +66,7 @@ _KINDS: dict[type, Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {
     nn.AvgPool2d: lambda: (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.AvgPool2d(2)),
                            (2, 2, 6, 6)),
 }  # fmt: skip
-for _cls in (nn.ReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.LeakyReLU,
-             nn.ELU, nn.Softplus):  # fmt: skip
+for _cls in DERIVATIVES:  # every activation with a rule
     # between two convolutions, as in a real model: the rule's derivative kernels and
     # the convolution's backward into it
     _KINDS[_cls] = (lambda cls: lambda: (
