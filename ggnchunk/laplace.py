@@ -156,7 +156,9 @@ class ChunkedGGN(GGNInterface):
         Raises:
             KeyError: For a dict without ``dict_key_x``.
             TypeError: For targets that are not a tensor.
-            ValueError: For inputs and targets with different batch sizes.
+            ValueError: For inputs and targets with different batch sizes, and for
+                regression targets with more than one axis per sample (laplace-torch
+                would count only their last axis as outputs).
         """
         if not isinstance(y, Tensor):
             raise TypeError(f"y must be a torch.Tensor of targets, got {type(y).__name__}.")
@@ -171,6 +173,16 @@ class ChunkedGGN(GGNInterface):
         else:
             model, inputs = self.model, x
         if self.likelihood == "regression":
+            if y.dim() > 2:
+                raise ValueError(
+                    f"regression targets of shape {tuple(y.shape)}: laplace-torch counts "
+                    f"only the last axis as outputs ({y.shape[-1]} instead of "
+                    f"{y[0].numel()} per sample), so its marginal likelihood and its glm "
+                    "predictive would be wrong for this model. Flatten the output and the "
+                    "targets: Laplace(nn.Sequential(model, nn.Flatten()), ...) with "
+                    "targets y.flatten(1) (ggnchunk.laplace.output_variance gives "
+                    "per-pixel variances in the image's shape)."
+                )
             if y.dim() == 1:
                 y = y.unsqueeze(1)  # one output per sample: [B] → [B, 1]
         elif y.dim() == 2 and y.shape[1] == 1:

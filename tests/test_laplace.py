@@ -250,3 +250,37 @@ def test_kron_refuses_layers_without_factors_by_name():
         ValueError, match=r"model\.1 \(LayerNorm\).*requires_grad_\(False\)"
     ):
         la.fit(_data("regression", 3))
+
+
+def _image_autoencoder() -> nn.Module:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 1))
+
+
+def test_image_shaped_regression_outputs_are_refused_with_the_fix():
+    """laplace-torch would count 4 outputs instead of 48 per sample: silently wrong."""
+    model = _image_autoencoder()
+    x = torch.randn(6, 3, 4, 4)
+    loader = DataLoader(TensorDataset(x, x), batch_size=3)
+    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="diag",
+                 backend=ChunkedGGN)  # fmt: skip
+    with pytest.raises(ValueError, match=r"nn\.Flatten\(\)") as info:
+        la.fit(loader)
+    assert "4 instead of 48" in str(info.value)
+    backend = ChunkedGGN(model, "regression")
+    with pytest.raises(ValueError, match="flatten"):
+        backend.diag(x, x)
+    with pytest.raises(ValueError, match="flatten"):
+        backend.kron(x, x, N=6)
+
+
+def test_flattened_image_outputs_equal_the_builtin_backpack_backend():
+    model = nn.Sequential(_image_autoencoder(), nn.Flatten())
+    x = torch.randn(6, 3, 4, 4)
+    loader = DataLoader(TensorDataset(x, x.flatten(1)), batch_size=3)
+    ours = _fit(copy.deepcopy(model), "regression", loader, ChunkedGGN)
+    theirs = _fit(copy.deepcopy(model), "regression", loader, BackPackGGN)
+    assert ours.n_outputs == theirs.n_outputs == 48
+    assert torch.allclose(ours.H, theirs.H, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood(),
+                          rtol=1e-5)  # fmt: skip
