@@ -768,6 +768,13 @@ def _evaluate(
     normalizer = 1.0
     if loss_func.reduction == "mean":
         normalizer = float(problem.handler.normalizer(loss_func, targets))
+        if normalizer == 0 and scale is None:  # (a dataset loop scales by its total)
+            raise ValueError(
+                f"{type(loss_func).__name__} with reduction='mean' has nothing to average "
+                "over: every target is ignore_index (or has weight 0), so torch's loss is "
+                "0/0 (NaN) and so would be its curvature. Leave such batches out, or use "
+                "reduction='sum' (whose GGN diagonal is then 0)."
+            )
     if scale is None:
         scale = 1.0 / normalizer
     # autocast would cast the sweeps' products too: everything runs in the parameters'

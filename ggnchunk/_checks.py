@@ -78,6 +78,14 @@ class Batch:
             self.args = tuple(_map_tensors(list(inputs), Tensor.detach))
             self.kwargs = {}
         elif isinstance(inputs, dict):
+            keys = [k for k in inputs if not isinstance(k, str)]
+            if keys:
+                raise TypeError(
+                    f"inputs is a dict with the key {keys[0]!r} ({type(keys[0]).__name__}"
+                    "): a dict is passed as model(**inputs), whose keys must be the "
+                    "names of forward's arguments (strings). Use string keys, or pass a "
+                    "tuple for positional arguments."
+                )
             self.args = ()
             self.kwargs = _map_tensors(dict(inputs), Tensor.detach)
         else:
@@ -180,6 +188,24 @@ def check_batch(
                 f"inputs has dtype {value.dtype} but the model has {dtype}; convert with "
                 f"inputs.to({dtype})."
             )
+    if device.type == "meta":
+        raise ValueError(
+            "the model's parameters are on the 'meta' device (shapes without values), "
+            "so there is no curvature to compute; load or initialize the weights first, "
+            "e.g. model.to_empty(device='cpu') and then load_state_dict(...)."
+        )
+    for name, value in [("inputs", t) for t in tensors] + [("targets", targets)]:
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"{name} contain NaN or Inf values; the GGN of a non-finite forward pass "
+                f"is not defined. Remove or replace them (e.g. torch.nan_to_num)."
+            )
+    bad = [n for n, p in params if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(
+            f"parameter {bad[0]!r} contains NaN or Inf values ({len(bad)} parameter(s) "
+            "in all); the GGN is not defined there. Re-initialize or restore them first."
+        )
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "ggnchunk cannot run inside torch.inference_mode(), which forbids the "

@@ -432,6 +432,12 @@ def diag_ggn_dataset(
         >>> sorted(diag)
         ['linear.bias', 'linear.weight']
     """
+    if isinstance(data, (Tensor, str, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"data must be a DataLoader or another iterable of (inputs, targets) batches, "
+            f"got {type(data).__name__}; wrap tensors as DataLoader(TensorDataset(X, y), "
+            "batch_size=...)."
+        )
     sampling = {k: chunking.pop(k) for k in ("mc_samples", "generator") if k in chunking}
     group = resolve_group(distributed, model)
     accumulator = DiagGGNAccumulator(

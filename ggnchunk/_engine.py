@@ -421,6 +421,12 @@ class GGNComputation:
                     f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} Check "
                     "the targets' shape and dtype for this loss."
                 ) from error
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"loss_func returned {type(loss).__name__} {loss!r}, not a tensor: "
+                "ggnchunk differentiates the loss, so compute it with torch operations on "
+                "the output and return the tensor (no .item() or float())."
+            )
         if loss.dim() != 0:
             raise ValueError(
                 f"loss_func returned a tensor of shape {tuple(loss.shape)}; ggnchunk "

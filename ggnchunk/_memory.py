@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,6 +161,22 @@ _UNITS = {
 }  # fmt: skip
 
 
+def format_bytes(count: float) -> str:
+    """A size for messages, in the unit that shows it: ``"96 B"``, ``"1.5 KiB"``, ...
+
+    Args:
+        count: Bytes.
+
+    Returns:
+        The size with a binary unit (B, KiB, MiB, GiB, TiB).
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:,.0f} {unit}" if unit == "B" else f"{count:,.1f} {unit}"
+        count /= 1024
+    return f"{count:,.1f} TiB"
+
+
 def parse_memory(value: int | str, name: str = "max_memory") -> int:
     """Bytes from an ``int`` or a string with a unit.
 
@@ -200,7 +217,13 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
                 "unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
                 "of 1024), e.g. '512MiB' or '1.5GB'."
             )
-        number = int(float(match.group(1)) * _UNITS[unit])
+        amount = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(amount) or amount >= 2**63:
+            raise ValueError(
+                f"{name}={value!r} is larger than any machine's memory; give a size such "
+                "as '2GiB', or leave max_memory out for no budget."
+            )
+        number = int(amount)
     if number <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}.")
     return number

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ggnchunk._checks import check_positive_int, user_stacklevel
-from ggnchunk._memory import MiB, PeakTracker, free_memory, parse_memory
+from ggnchunk._memory import MiB, PeakTracker, format_bytes, free_memory, parse_memory
 
 __all__ = [
     "ChunkRecord",
@@ -659,10 +659,10 @@ class _Run:
         fixed = level + fixed_bound
         if check and fixed + per_index > budget:
             raise MemoryBudgetError(
-                f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
-                f"{self.s.what} needs up to {(fixed + per_index) / MiB:,.1f} MiB above "
-                f"the memory in use before the call ({level / MiB:,.1f} MiB of it already "
-                f"in use after the forward pass, {per_index / MiB:,.2f} MiB per "
+                f"max_memory is {format_bytes(budget)}, but a chunk of 1 of the "
+                f"{self.s.what} needs up to {format_bytes(fixed + per_index)} above "
+                f"the memory in use before the call ({format_bytes(level)} of it already "
+                f"in use after the forward pass, {format_bytes(per_index)} per "
                 f"{self.s.what[:-1] if self.s.what.endswith('s') else self.s.what}). "
                 "Raise max_memory, or make the problem smaller (e.g. batch_chunk_size "
                 "for fewer samples per forward pass)."
@@ -675,8 +675,8 @@ class _Run:
             return
         self.overshoot_warned = True
         warnings.warn(
-            f"ggnchunk: a chunk peaked at {peak / MiB:,.1f} MiB, above the "
-            f"{budget / MiB:,.1f} MiB budget; the remaining chunks use at most {size} "
+            f"ggnchunk: a chunk peaked at {format_bytes(peak)}, above the "
+            f"{format_bytes(budget)} budget; the remaining chunks use at most {size} "
             f"{self.s.what}. The result is exact."
             + (
                 " A chunk of 1 cannot shrink further: raise max_memory, or pass "
@@ -717,9 +717,9 @@ class _Run:
             one, start = min(one, again.peak_extra_bytes), 2
         if one > budget:
             raise MemoryBudgetError(
-                f"max_memory is {budget / MiB:,.1f} MiB, but a chunk of 1 of the "
-                f"{self.s.what} already needs {one / MiB:,.1f} MiB "
-                f"above the memory in use before the call ({before / MiB:,.1f} MiB of it "
+                f"max_memory is {format_bytes(budget)}, but a chunk of 1 of the "
+                f"{self.s.what} already needs {format_bytes(one)} "
+                f"above the memory in use before the call ({format_bytes(before)} of it "
                 "before the first chunk). Raise max_memory, or make the problem smaller "
                 "(e.g. batch_chunk_size for fewer samples per forward pass)."
             )

@@ -1,0 +1,100 @@
+"""Inputs that used to reach users as raw errors (issue 21 §3): each a clear error.
+
+Every case names the argument and says the fix, and is raised before any backward pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ggnchunk
+from ggnchunk._engine import GGNComputation
+
+
+@pytest.fixture
+def problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    return model, torch.randn(5, 3), torch.randn(5, 2)
+
+
+@pytest.fixture(autouse=True)
+def no_backward(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a backward pass ran before the error")
+
+    monkeypatch.setattr(GGNComputation, "backward", forbidden)
+
+
+def test_an_astronomical_budget(problem):
+    with pytest.raises(ValueError, match="max_memory='1e400 B' is larger than any"):
+        ggnchunk.diag_ggn(*problem[:1], nn.MSELoss(), *problem[1:], max_memory="1e400 B")
+
+
+def test_a_loss_that_returns_a_python_float(problem):
+    model, x, y = problem
+    with pytest.raises(TypeError, match=r"loss_func returned float .*no \.item\(\)"):
+        ggnchunk.diag_ggn(model, lambda out, target: 1.0, x, y)
+
+
+def test_data_that_is_not_an_iterable_of_batches(problem):
+    model, x, _ = problem
+    for data in (None, x):
+        with pytest.raises(TypeError, match=r"data must be a DataLoader.*TensorDataset"):
+            ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), data)
+
+
+def test_dict_inputs_with_keys_that_are_not_strings(problem):
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, a):
+            return self.linear(a)
+
+    _, x, y = problem
+    with pytest.raises(TypeError, match=r"key 1 \(int\).*string keys"):
+        ggnchunk.diag_ggn(Keyed(), nn.MSELoss(), {1: x}, y)
+
+
+@pytest.mark.parametrize("where", ["inputs", "targets", "parameter"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_values_are_named_not_called_coupling(problem, where, value):
+    model, x, y = problem
+    if where == "inputs":
+        x = x.clone()
+        x[0, 0] = value
+    elif where == "targets":
+        y = y.clone()
+        y[1, 1] = value
+    else:
+        with torch.no_grad():
+            model[2].bias[0] = value
+    match = "parameter '2.bias'" if where == "parameter" else where
+    with pytest.raises(ValueError, match=f"{match}.*NaN or Inf"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
+def test_a_model_on_the_meta_device():
+    model = nn.Linear(3, 2, device="meta")
+    x, y = torch.randn(4, 3, device="meta"), torch.randn(4, 2, device="meta")
+    with pytest.raises(ValueError, match="'meta' device.*to_empty"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
+def test_cross_entropy_mean_with_every_target_ignored(problem):
+    model, x, _ = problem
+    targets = torch.full((5,), 1)
+    with pytest.raises(ValueError, match="every target is ignore_index.*reduction='sum'"):
+        ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(ignore_index=1), x, targets)
+
+
+def test_budget_errors_show_small_sizes_readably(problem):
+    model, x, y = problem
+    with pytest.raises(ggnchunk.MemoryBudgetError) as info:
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, max_memory=10)
+    message = str(info.value)
+    assert "max_memory is 10 B" in message and "0.0 MiB" not in message
