@@ -207,3 +207,18 @@ def test_laplace_uses_no_private_api():
 
     source = inspect.getsource(laplace)
     assert "_evaluate" not in source
+
+
+def test_optimizer_closure_takes_options_and_checks_them_at_once():
+    from ggnchunk.optim import DiagGGNOptimizer
+
+    model, loss_func, x, y = _problem()
+    opt = DiagGGNOptimizer(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="unknown keyword.*chunks"):
+        opt.closure(model, loss_func, x, y, chunks=3)
+    with pytest.raises(ValueError, match="num_chunks=3 vs 2"):
+        opt.closure(
+            model, loss_func, x, y, options=ChunkOptions(num_chunks=2), num_chunks=3
+        )
+    loss = opt.step(opt.closure(model, loss_func, x, y, options=ChunkOptions(num_chunks=2)))
+    assert torch.isfinite(loss)
