@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import ChunkOptions, GGNReport, _compute
+from ggnchunk._api import ChunkOptions, GGNReport, _compute, _legacy_distributed
 from ggnchunk._checks import check_batch
 from ggnchunk._distributed import resolve_group
 from ggnchunk._engine import Problem, full_float32, model_lock
@@ -108,13 +108,9 @@ def output_variance(
     inputs: Tensor,
     posterior_variance: Tensor | Mapping[str, Tensor],
     *,
-    num_chunks: int | None = None,
-    chunk_size: int | str | None = None,
-    max_memory: int | str | None = None,
-    batch_chunk_size: int | None = None,
-    recover_oom: bool = True,
-    distributed: bool = False,
     return_report: bool = False,
+    options: ChunkOptions | None = None,
+    **chunking: Any,
 ) -> Tensor | tuple[Tensor, GGNReport]:
     r"""Predictive variance of every output under a diagonal posterior (linearized).
 
@@ -136,13 +132,13 @@ def output_variance(
         posterior_variance: ``s``: a flat tensor ``[P]`` over the trainable parameters in
             ``named_parameters()`` order (laplace-torch's ``posterior_variance``), or a
             dict ``{name: tensor of the parameter's shape}``; finite, non-negative.
-        num_chunks: As in :func:`diag_ggn` (over output coordinates).
-        chunk_size: As in :func:`diag_ggn`.
-        max_memory: As in :func:`diag_ggn`.
-        batch_chunk_size: As in :func:`diag_ggn`.
-        recover_oom: As in :func:`diag_ggn`.
-        distributed: As in :func:`diag_ggn` (ranks share the output coordinates).
         return_report: Also return a :class:`GGNReport`.
+        options: The chunking settings as one :class:`ChunkOptions` (optional), over
+            output coordinates instead of loss-Hessian columns
+            (``column_parallel=True``: ranks share the output coordinates).
+        **chunking: Or the same settings as keywords, as in :func:`diag_ggn`
+            (``num_chunks``, ``chunk_size``, ``max_memory``, ``batch_chunk_size``,
+            ``recover_oom``, ``column_parallel``, ``progress``); not both.
 
     Returns:
         ``[N, *output_shape]`` variances (the model output's shape, dtype and device);
@@ -162,10 +158,8 @@ def output_variance(
         >>> tuple(var.shape)
         (5, 3)
     """
-    options = ChunkOptions(
-        num_chunks, chunk_size, max_memory, batch_chunk_size, recover_oom,
-        column_parallel=distributed,
-    )  # fmt: skip
+    _legacy_distributed(chunking, "output_variance")
+    options = ChunkOptions.resolve(options, chunking, "output_variance")
     problem = Problem.build(model, None)
     variance = _check_variance(problem, posterior_variance)
     size = _batch_size(inputs)

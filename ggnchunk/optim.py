@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._api import loss_grad_and_diag_ggn
+from ggnchunk._api import ChunkOptions, loss_grad_and_diag_ggn
 
 __all__ = ["DiagGGNOptimizer"]
 
@@ -169,7 +169,8 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
         loss_func: nn.Module,
         inputs: Tensor,
         targets: Tensor,
-        **options: Any,
+        options: ChunkOptions | None = None,
+        **chunking: Any,
     ) -> Callable[[], Tensor]:
         """A closure for :meth:`step`: loss and gradient, plus curvature when it is due.
 
@@ -181,11 +182,15 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
             loss_func: Its loss.
             inputs: The batch's inputs.
             targets: The batch's targets.
-            **options: Chunking options of :func:`ggnchunk.diag_ggn`.
+            options: The chunking settings as one :class:`~ggnchunk.ChunkOptions`
+                (optional); checked now, not when the closure runs.
+            **chunking: Or the same settings as keywords, as in
+                :func:`ggnchunk.diag_ggn`; not both.
 
         Returns:
             The closure; it sets ``.grad`` and returns the loss.
         """
+        resolved = ChunkOptions.resolve(options, chunking, "closure")
 
         def closure() -> Tensor:
             self.zero_grad()
@@ -194,7 +199,7 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
                 loss.backward()
                 return loss.detach()
             loss, grad, diag = loss_grad_and_diag_ggn(
-                model, loss_func, inputs, targets, **options
+                model, loss_func, inputs, targets, options=resolved
             )
             params = dict(model.named_parameters())
             for name, value in grad.items():

@@ -65,11 +65,11 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                                         num_chunks=3)  # fmt: skip
             result = {name: (f.output, f.input) for name, f in factors.items()}
         elif mode == "sub-batches":  # per-sample parts and output variances joined
-            per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True,
+            per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, column_parallel=True,
                                            num_chunks=2, batch_chunk_size=4,
                                            per_sample=True)  # fmt: skip
             variance = ggnchunk.output_variance(
-                model, x, _variance(model), distributed=True, num_chunks=2,
+                model, x, _variance(model), column_parallel=True, num_chunks=2,
                 batch_chunk_size=4,
             )  # fmt: skip
             result = {"per_sample": per_sample, "variance": variance}

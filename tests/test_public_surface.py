@@ -33,6 +33,7 @@ def _entry_points():
         "diag_ggn_dataset": ggnchunk.diag_ggn_dataset,
         "DiagGGNAccumulator": ggnchunk.DiagGGNAccumulator,
         "ChunkedGGN": ChunkedGGN,
+        "output_variance": ggnchunk.output_variance,
     }
 
 
@@ -98,6 +99,9 @@ def test_conflicts_and_unknown_keywords_are_refused(name):
         call = lambda **kw: entry(model, loss_func, **kw)  # noqa: E731
     elif name == "diag_ggn_dataset":
         call = lambda **kw: entry(model, loss_func, [(x, y)], progress=False, **kw)  # noqa: E731
+    elif name == "output_variance":
+        s = torch.full((sum(p.numel() for p in model.parameters()),), 0.1)
+        call = lambda **kw: entry(model, x, s, **kw)  # noqa: E731
     else:
         call = lambda **kw: entry(model, loss_func, x, y, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="num_chunks=3 vs 2"):
@@ -118,6 +122,19 @@ def test_distributed_is_a_deprecated_name_of_column_parallel():
         ggnchunk.diag_ggn(model, loss_func, x, y, distributed=True)
     with pytest.warns(FutureWarning):
         ggnchunk.kron_ggn(model, loss_func, x, y, distributed=False)
+    s = torch.full((sum(p.numel() for p in model.parameters()),), 0.1)
+    with pytest.warns(FutureWarning, match="column_parallel"):
+        old = ggnchunk.output_variance(model, x, s, distributed=False, num_chunks=2)
+    assert torch.equal(old, ggnchunk.output_variance(model, x, s, num_chunks=2))
+
+
+@pytest.mark.parametrize("chunking", [{"num_chunks": 3}, {"chunk_size": 2}])
+def test_output_variance_options_equal_keywords(chunking):
+    model, _, x, _ = _problem()
+    s = torch.rand(sum(p.numel() for p in model.parameters()), generator=None)
+    by_keywords = ggnchunk.output_variance(model, x, s, **chunking)
+    by_options = ggnchunk.output_variance(model, x, s, options=ChunkOptions(**chunking))
+    assert torch.equal(by_keywords, by_options)
 
 
 def test_loss_grad_and_diag_ggn_returns_a_report():
@@ -190,3 +207,18 @@ def test_laplace_uses_no_private_api():
 
     source = inspect.getsource(laplace)
     assert "_evaluate" not in source
+
+
+def test_optimizer_closure_takes_options_and_checks_them_at_once():
+    from ggnchunk.optim import DiagGGNOptimizer
+
+    model, loss_func, x, y = _problem()
+    opt = DiagGGNOptimizer(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="unknown keyword.*chunks"):
+        opt.closure(model, loss_func, x, y, chunks=3)
+    with pytest.raises(ValueError, match="num_chunks=3 vs 2"):
+        opt.closure(
+            model, loss_func, x, y, options=ChunkOptions(num_chunks=2), num_chunks=3
+        )
+    loss = opt.step(opt.closure(model, loss_func, x, y, options=ChunkOptions(num_chunks=2)))
+    assert torch.isfinite(loss)
