@@ -28,6 +28,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
+from ggnchunk import _windows as windows
 from ggnchunk._attention import folded_attention
 from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
@@ -40,6 +41,7 @@ from ggnchunk._sqrt_hessians import (
     as_loss_module,
     lookup_loss,
 )
+from ggnchunk._windows import window
 
 __all__ = [
     "GGNComputation", "Problem", "check_kron_parameters", "full_float32", "model_lock",
@@ -504,10 +506,19 @@ class GGNComputation:
         self.quantity.begin(factor, start, stop)
         try:
             seed = factor.columns(start, stop)
+            if self._windowed(factor):
+                seed = window(seed)  # one-hot columns on their output positions
             self._recording.sweep(seed, self.quantity)
         except BaseException:
             self.quantity.abort()
             raise
+
+    def _windowed(self, factor: SqrtHessianFactor) -> bool:
+        """Whether this pass carries its columns on boxes (:mod:`ggnchunk._windows`)."""
+        return (
+            windows.ENABLED and self.quantity.windowed and factor.local
+            and any(call.rule.windowed for call in self._recording.calls)
+        )  # fmt: skip
 
     def gradient(self) -> list[Tensor | None]:
         """The gradient of the (scaled-as-computed) loss w.r.t. the parameters.

@@ -48,6 +48,8 @@ from ggnchunk._autograd import (
 from ggnchunk._checks import user_stacklevel
 from ggnchunk._quantities import Quantity
 from ggnchunk._rules import LayerRule, RuleContext
+from ggnchunk._windows import Windowed, window
+from ggnchunk._windows import add as add_vectors
 
 __all__ = ["Call", "Recording", "SampleCouplingError", "SlowBackwardWarning"]
 
@@ -106,7 +108,7 @@ class _Waiting:
         if old is None:
             store[key] = value
         elif not isinstance(value, int):
-            store[key] = old + value
+            store[key] = add_vectors(old, value)
 
     def total(self) -> int:
         """Elements waiting (size traversals)."""
@@ -148,6 +150,7 @@ class Recording:
         self.output_key: EdgeKey | None = None
         self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
         self._warned = False
+        self.window_ends: dict[str, str] = {}  # where windowed columns became dense
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -439,12 +442,21 @@ class Recording:
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
         """
+        windows = isinstance(seed, Windowed)
 
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
+            if isinstance(grads, Windowed):  # autograd needs full maps
+                self._window_end(self._place(source), "operations without a windowed form")
+                grads = grads.dense()
             if source.frontier:
                 with noting(self._note(source)):
                     results = quantity.through(source, grads)
+                if windows:  # read the boxes again where a windowed rule follows
+                    results = [
+                        window(r) if r is not None and self._call_at(e).rule.windowed else r
+                        for e, r in zip(source.frontier, results, strict=True)
+                    ]
                 found = list(zip(source.frontier, results, strict=True))
             if source.params:
                 with noting(self._note(source)):
@@ -452,6 +464,9 @@ class Recording:
             return found
 
         def layer(call: Call, grads: Tensor) -> Tensor | None:
+            if isinstance(grads, Windowed) and not call.rule.windowed:
+                self._window_end(self._place(call), "no windowed rule")
+                grads = grads.dense()
             quantity.layer(self, call, grads)
             if call.leaf is None:
                 return None
@@ -471,6 +486,16 @@ class Recording:
         Returns:
             ``[V, N, *input]``.
         """
+        if isinstance(grads, Windowed):
+            back = call.rule.backprop_windowed(call.ctx, grads)
+            if back is not None:
+                if not isinstance(back, Windowed):
+                    self._window_end(
+                        f"the input of {self._place(call)}", "boxes fill the map"
+                    )
+                return back
+            self._window_end(self._place(call), "no windowed form for this call")
+            grads = grads.dense()
         n = grads.shape[1]
         if call.rule.sample_free_backprop and grads.stride(1) == 0:
             # the same vectors for every sample (MSE's columns): map them once
@@ -482,26 +507,31 @@ class Recording:
             (back,) = batched_grad([call.out_edge], [call.leaf], [grads], self._note(call))
         return back
 
+    def _call_at(self, edge: GradientEdge) -> Call:
+        return self.calls[self._out_keys[edge_key(edge)]]
+
+    def _place(self, where: Call | _Source) -> str:
+        """A layer call or glue region, in words."""
+        if isinstance(where, Call):
+            return f"{_display(where.name)} ({type(where.ctx.module).__name__})"
+        ends = [_display(self._call_at(e).name) for e in where.frontier]
+        after = f" after {', '.join(ends[:3])}" if ends else ""
+        before = (
+            "the model output" if where.last_consumer >= len(self.calls)
+            else f"the input of {_display(self.calls[where.last_consumer].name)}"
+        )  # fmt: skip
+        return f"the operations before {before}{after}"
+
+    def _window_end(self, place: str, why: str) -> None:
+        self.window_ends.setdefault(place, why)
+
     def _note(self, where: Call | _Source) -> Callable[[str], None]:
         """Remember an operation that vmap ran once per column, and where."""
 
         def note(operation: str) -> None:
             if operation in self.fallbacks or _elementwise(operation):
                 return
-            if isinstance(where, Call):
-                place = f"{_display(where.name)} ({type(where.ctx.module).__name__})"
-            else:
-                ends = [
-                    _display(self.calls[self._out_keys[edge_key(e)]].name)
-                    for e in where.frontier
-                ]
-                after = f" after {', '.join(ends[:3])}" if ends else ""
-                before = (
-                    "the model output" if where.last_consumer >= len(self.calls)
-                    else f"the input of {_display(self.calls[where.last_consumer].name)}"
-                )  # fmt: skip
-                place = f"the operations before {before}{after}"
-            self.fallbacks[operation] = place
+            self.fallbacks[operation] = self._place(where)
 
         return note
 

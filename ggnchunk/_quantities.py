@@ -38,6 +38,7 @@ from torch import Tensor
 from ggnchunk._autograd import batched_grad, blocked, plain_grad
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
+from ggnchunk._windows import Windowed, dense
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggnchunk._engine import Problem
@@ -141,6 +142,8 @@ class Quantity:
 
     every_product = False
     batched = True
+    windowed = False
+    """Columns one-hot at output positions may be carried on boxes (the diagonal)."""
 
     def __init__(self, problem: Problem | None = None, samples: int = 0):
         self.problem = problem
@@ -336,7 +339,7 @@ class _Products(Quantity):
             return
         shared = recording.shared
         if any(i in shared for i, _ in call.params):
-            products = call.rule.per_sample(call.ctx, grads)
+            products = call.rule.per_sample(call.ctx, dense(grads))
             for i, pname in call.params:
                 if i in shared:
                     self._keep(i, products[pname])
@@ -346,7 +349,13 @@ class _Products(Quantity):
         self._unshared(call, grads)
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
-        values = call.rule.diag(call.ctx, grads)
+        values = None
+        if isinstance(grads, Windowed):
+            values = call.rule.diag_windowed(call.ctx, grads)
+            if values is None:
+                grads = grads.dense()
+        if values is None:
+            values = call.rule.diag(call.ctx, grads)
         for i, pname in call.params:
             self._add(i, values[pname])
 
@@ -380,6 +389,8 @@ class _Products(Quantity):
 
 class DiagonalGGN(_Products):
     """The GGN diagonal of the batch, one tensor per parameter (summed over samples)."""
+
+    windowed = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)

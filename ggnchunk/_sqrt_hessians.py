@@ -57,6 +57,10 @@ class SqrtHessianFactor(ABC):
     num_columns: int
     """Number of columns ``V`` of the square root (per sample)."""
 
+    local = False
+    """Each column is non-zero at one output position only (all its channels): the
+    sweeps may carry it on the box that position reaches (:mod:`ggnchunk._windows`)."""
+
     @abstractmethod
     def columns(self, start: int, stop: int) -> Tensor:
         """Columns ``start:stop`` of the square root.
@@ -238,6 +242,8 @@ def _same_shape(output: Tensor, target: Tensor, loss_name: str) -> None:
 class _DiagonalFactor(SqrtHessianFactor):
     """Square root of a Hessian that is diagonal in the output coordinates."""
 
+    local = True
+
     def __init__(self, sqrt_diag: Tensor):
         # sqrt_diag: [N, *output_shape], the square roots of the Hessian's diagonal.
         self._sqrt = sqrt_diag.flatten(start_dim=1)
@@ -270,6 +276,8 @@ class _ScaledIdentityFactor(SqrtHessianFactor):
     chunk of ``L`` columns costs ``L * D`` entries instead of ``L * N * D`` and the
     layers' einsums read less memory.
     """
+
+    local = True
 
     def __init__(self, output: Tensor, value: float):
         self._shape = output.shape
@@ -364,6 +372,8 @@ class _SoftmaxFactor(SqrtHessianFactor):
     ``S[j][n, c, s] = delta(s, s_j) * sqrt(c[n, s_j]) * (tau_c delta(c, c_j) - p_c tau_cj)``
     with ``tau = sqrt(p)``.
     """
+
+    local = True
 
     def __init__(self, prob: Tensor, weight: Tensor):
         # prob: [N, C, *spatial]; weight: [N, *spatial] (non-negative per-position factor)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule
+from ggnchunk._windows import gather
 
 __all__ = ["DERIVATIVES", "ActivationRule"]
 
@@ -87,6 +88,16 @@ class ActivationRule(LayerRule):
 
     def backprop(self, ctx, grads):
         return grads * derivative(ctx.module, ctx.x)
+
+    windowed = True
+
+    def backprop_windowed(self, ctx, block):
+        slope = derivative(ctx.module, ctx.x)
+        if slope.dim() != block.data.dim() - 1:
+            return None
+        return block.with_data(
+            block.data * gather(slope, block.start, block.box, block.size)
+        )
 
     def column_bytes(self, ctx, element):
         return 2 * math.prod(ctx.out_shape) * element

@@ -215,6 +215,36 @@ class LayerRule(ABC):
         """
         return None
 
+    windowed = False
+    """Whether the rule maps windowed blocks (:mod:`ggnchunk._windows`): a rule that
+    sets it implements :meth:`backprop_windowed` and, if it has parameters,
+    :meth:`diag_windowed` (each may still return ``None`` for a call it cannot do)."""
+
+    def diag_windowed(self, ctx: RuleContext, block: Any) -> dict[str, Tensor] | None:
+        """:meth:`diag` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
+
+        Args:
+            ctx: The call's context.
+            block: The vectors at the layer's output, each column on its box.
+
+        Returns:
+            ``{param_name: [*param.shape]}``, or ``None`` (the block is made dense).
+        """
+        return None
+
+    def backprop_windowed(self, ctx: RuleContext, block: Any) -> Any:
+        """:meth:`backprop` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
+
+        Args:
+            ctx: The call's context.
+            block: The vectors at the layer's output, each column on its box.
+
+        Returns:
+            The vectors at the layer's input (a block, or dense ``[V, N, *input]`` where
+            the boxes cover most of the map), or ``None`` (the block is made dense).
+        """
+        return None
+
     kron = False
     """Whether the rule gives Kronecker factors (``output_factor``, ``input_factor``)."""
 

@@ -18,6 +18,7 @@ from ggnchunk._rules.kernels import (
     square_sum_bytes,
     use_gram,
 )
+from ggnchunk._windows import Windowed, end_of, gather, valid
 
 __all__ = ["ConvRule", "ConvTransposeRule"]
 
@@ -45,6 +46,26 @@ def _weight_gradient_of_squares(
     if trainable(module, "bias"):
         out["bias"] = mask.sum([0, *range(2, mask.dim())])
     return out
+
+
+def _transposed_box(
+    block: Windowed, module: nn.Module, box: tuple[int, ...], start: Tensor,
+    stride: tuple[int, ...], dilation: tuple[int, ...], x: Tensor,
+) -> Windowed:  # fmt: skip
+    """A convolution's input gradient on boxes: the transposed convolution of each box."""
+    dims = x.dim() - 2
+    data = block.data[:, :1] if block.sample_free else block.data
+    v, n, c = data.shape[:3]
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    result = conv(
+        data.reshape(v * n, c, *block.box), module.weight.detach(), None, stride, 0, 0,
+        module.groups, dilation,
+    )  # fmt: skip
+    size = tuple(x.shape[2:])
+    result = result.view(v, n, x.shape[1], *box) * valid(start, box, size).to(result.dtype)
+    if block.sample_free:
+        result = result.expand(v, block.data.shape[1], *result.shape[2:])
+    return Windowed(result, start, size)
 
 
 class ConvRule(LayerRule):
@@ -184,6 +205,53 @@ class ConvRule(LayerRule):
         result = conv(folded, weight, None, stride, padding, extra, module.groups, dilation)
         return result.reshape(v, n, *x.shape[1:])
 
+    windowed = True
+
+    def diag_windowed(self, ctx, block):
+        module = ctx.module
+        if ctx.lean and ctx.caches.patches is None:
+            return None  # patches are made per sample there: the dense form
+        out = {}
+        data, start, box = block.data, block.start, block.box
+        v, n, c = data.shape[:3]
+        g = module.groups
+        o = c // g
+        pb = math.prod(box)
+        a = data.reshape(v, n, g, o, pb)
+        if trainable(module, "weight"):
+            patches = self._patches(ctx)  # [N, G, K, P]
+            k = patches.shape[2]
+            maps = patches.view(n, g * k, *ctx.out_shape[2:])
+            total = data.new_zeros(g, o, k)
+            step = max(1, BLOCK // max(n * g * k * (pb + o), 1))
+            for i in range(0, v, step):
+                b = gather(maps, start[i : i + step], box, block.size)
+                b = b.reshape(-1, n, g, k, pb)  # the patches at each column's box
+                total += (
+                    torch.matmul(a[i : i + step], b.transpose(-1, -2)).square_().sum((0, 1))
+                )
+            out["weight"] = total.reshape(module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
+        return out
+
+    def backprop_windowed(self, ctx, block):
+        module, x = ctx.module, ctx.x
+        if module.padding_mode != "zeros":
+            return None
+        dims = x.dim() - 2
+        kernel, stride, dilation = (
+            as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
+        )
+        left = [p[0] for p in explicit_padding(module, dims)]
+        # output u reads inputs u*s - p + k*d: the box's inputs from its start on
+        box = tuple(
+            (b - 1) * s + (k - 1) * d + 1
+            for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
+        )
+        start = block.start * torch.tensor(stride) - torch.tensor(left)
+        return end_of(_transposed_box(block, module, box, start, stride, dilation, x))
+
     @staticmethod
     def _sizes(ctx: RuleContext) -> tuple[int, int, int]:
         module = ctx.module
@@ -299,6 +367,83 @@ class ConvTransposeRule(LayerRule):
             stride, padding, dilation, module.groups,
         )  # fmt: skip
         return result.reshape(v, n, *x.shape[1:])
+
+    windowed = True
+
+    def _region(self, ctx: RuleContext, block: Windowed) -> tuple[Tensor, tuple, Windowed]:
+        """The input box of each column and the output region that reaches it.
+
+        Input ``i`` reaches outputs ``i*s - p + k*d``: the inputs reaching a box
+        ``[o, o + B)`` start at ``ceil((o + p - (K-1)d) / s)``, at most
+        ``(B - 1 + (K-1)d) // s + 1`` of them; the region of outputs they read starts at
+        ``i*s - p``. Returns ``(input start [V, d], input box, block on the region)``.
+        """
+        module, x = ctx.module, ctx.x
+        kernel, stride, padding, dilation = self._geometry(module, x.dim() - 2)
+        reach = torch.tensor([(k - 1) * d for k, d in zip(kernel, dilation, strict=True)])
+        s, p = torch.tensor(stride), torch.tensor(padding)
+        start = -torch.div(-(block.start + p - reach), s, rounding_mode="floor")
+        box = tuple(
+            (b - 1 + r) // st + 1
+            for b, r, st in zip(block.box, reach.tolist(), stride, strict=True)
+        )
+        region = tuple(
+            (b - 1) * st + r + 1
+            for b, r, st in zip(box, reach.tolist(), stride, strict=True)
+        )
+        return start, box, block.rebox(start * s - p, region)
+
+    def diag_windowed(self, ctx, block):
+        module, x, out = ctx.module, ctx.x, {}
+        v, n, c = block.data.shape[:3]
+        if trainable(module, "weight"):
+            dims = x.dim() - 2
+            kernel, stride, _, dilation = self._geometry(module, dims)
+            start, box, region = self._region(ctx, block)
+            g = module.groups
+            ci, pb = x.shape[1], math.prod(box)
+            view = window_view(
+                region.data.reshape(v * n, c, *region.box), kernel, stride, 0, dilation
+            )  # [V*N, Cout, *kernel, *box]
+            view = view.reshape(v, n, c, *view.shape[2:])
+            offsets = [()]
+            for k in kernel:
+                offsets = [(*o, i) for o in offsets for i in range(k)]
+            result = x.new_zeros(g, c // g, len(offsets), ci // g)
+            step = max(1, BLOCK // max(n * (ci + c) * pb, 1))
+            for i in range(0, v, step):
+                b = gather(x, start[i : i + step], box, tuple(x.shape[2:]))
+                b = b.reshape(-1, n, g, ci // g, pb)  # the inputs on each column's box
+                for j, offset in enumerate(offsets):
+                    index = (slice(i, i + step), slice(None), slice(None), *offset)
+                    a = view[index].reshape(-1, n, g, c // g, pb)
+                    result[:, :, j] += (
+                        torch.matmul(a, b.transpose(-1, -2)).square_().sum((0, 1))
+                    )
+            out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = block.data.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
+        return out
+
+    def backprop_windowed(self, ctx, block):
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        _, stride, _, dilation = self._geometry(module, dims)
+        start, box, region = self._region(ctx, block)
+        data = region.data[:, :1] if region.sample_free else region.data
+        v, n, c = data.shape[:3]
+        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        result = conv(
+            data.reshape(v * n, c, *region.box), module.weight.detach(), None, stride, 0,
+            dilation, module.groups,
+        )  # fmt: skip
+        size = tuple(x.shape[2:])
+        result = result.view(v, n, x.shape[1], *box) * valid(start, box, size).to(
+            result.dtype
+        )
+        if region.sample_free:
+            result = result.expand(v, region.data.shape[1], *result.shape[2:])
+        return end_of(Windowed(result, start, size))
 
     def per_sample(self, ctx, grads):
         module, out = ctx.module, {}

@@ -1,0 +1,309 @@
+r"""Windowed columns: each backpropagated column on the box where it can be non-zero.
+
+A column of the loss Hessian's square root that is one-hot at an output pixel (MSE, BCE;
+the classes of one pixel for cross-entropy) is non-zero, at every earlier layer, only
+inside that pixel's receptive field. A :class:`Windowed` block carries a chunk's
+vectors ``[V, N, C, *S]`` as ``data`` ``[V, N, C, *box]`` plus each column's box
+``start`` (``[V, d]``, in the map's coordinates), one box size for all columns, so every
+kernel stays batched. Entries of a box outside the map are kept at exactly zero.
+
+Exactness never rests on guessing where values are: a block is made from dense vectors
+by reading the extent of their non-zero entries (:func:`window`), and a rule that maps a
+block computes every entry its box can reach. Where a box would cover most of the map,
+or at a layer or glue without a windowed form, the block becomes dense
+(:meth:`Windowed.dense`) and the sweep goes on as before; after glue, the dense vectors
+are windowed again from their values.
+
+``ENABLED`` switches the windowed path off (tests and benchmarks compare both); the
+environment variable ``GGNCHUNK_WINDOWS=0`` does the same for a process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ENABLED",
+    "MAX_FILL",
+    "Windowed",
+    "add",
+    "dense",
+    "end_of",
+    "gather",
+    "valid",
+    "window",
+]
+
+ENABLED = os.environ.get("GGNCHUNK_WINDOWS", "1") != "0"
+"""Whether sweeps carry one-hot columns on boxes (internal switch)."""
+
+MAX_FILL = 0.5
+"""A box covering more than this share of its map ends the window (dense from there)."""
+
+
+class Windowed:
+    """Columns ``[V, N, C, *S]`` carried on one box per column.
+
+    Args:
+        data: ``[V, N, C, *box]``; entries outside the map are zero. The sample axis may
+            be a stride-0 expansion (the same vectors for every sample).
+        start: ``[V, d]`` (int64): each column's box start per spatial axis; may be
+            negative or reach past the map.
+        size: The map's spatial size ``S`` (``d`` entries).
+    """
+
+    __slots__ = ("data", "size", "start")
+
+    def __init__(self, data: Tensor, start: Tensor, size: tuple[int, ...]):
+        self.data = data
+        self.start = start
+        self.size = tuple(size)
+
+    @property
+    def box(self) -> tuple[int, ...]:
+        """The box size per spatial axis."""
+        return tuple(self.data.shape[3:])
+
+    @property
+    def shape(self) -> torch.Size:
+        """The dense shape ``[V, N, C, *S]``."""
+        return torch.Size((*self.data.shape[:3], *self.size))
+
+    @property
+    def sample_free(self) -> bool:
+        """The same vectors for every sample (a stride-0 sample axis)."""
+        return self.data.shape[1] > 1 and self.data.stride(1) == 0
+
+    def fill(self) -> float:
+        """The share of the map one box covers."""
+        return math.prod(self.box) / max(math.prod(self.size), 1)
+
+    def valid(self) -> Tensor:
+        """``[V, 1, 1, *box]`` (bool): the box entries inside the map."""
+        return valid(self.start, self.box, self.size)
+
+    def dense(self) -> Tensor:
+        """The block as dense vectors ``[V, N, C, *S]`` (zeros outside the boxes).
+
+        Returns:
+            A new tensor (a stride-0 sample axis stays one).
+        """
+        data = self.data
+        v, n, c = data.shape[:3]
+        free = self.sample_free
+        if free:
+            data = data[:, :1]
+        index, inside = _positions(self.start, self.box, self.size)  # [V, Pb]
+        flat = data.reshape(v, data.shape[1], c, -1)
+        flat = flat * inside.view(v, 1, 1, -1).to(flat.dtype)  # stay inside the map
+        out = flat.new_zeros(v, flat.shape[1], c, math.prod(self.size))
+        out.scatter_add_(3, index.view(v, 1, 1, -1).expand_as(flat), flat)
+        out = out.view(v, flat.shape[1], c, *self.size)
+        return out.expand(v, n, *out.shape[2:]) if free else out
+
+    def rebox(self, start: Tensor, box: tuple[int, ...]) -> Windowed:
+        """The same vectors on other boxes (entries outside the old box are zero).
+
+        Args:
+            start: ``[V, d]`` new box starts.
+            box: New box size.
+
+        Returns:
+            The block on the new boxes.
+        """
+        if tuple(box) == self.box and torch.equal(start, self.start):
+            return self
+        data = gather(self.data, start - self.start, box, self.box)
+        return Windowed(data, start, self.size)
+
+    def with_data(self, data: Tensor) -> Windowed:
+        """The same boxes with other values (``[V, N, C', *box]``).
+
+        Args:
+            data: The values.
+
+        Returns:
+            A block on the same boxes.
+        """
+        return Windowed(data, self.start, self.size)
+
+
+def _coords(start: Tensor, box: tuple[int, ...]) -> list[Tensor]:
+    """Per axis ``[V, box_d]``: the map coordinates of each column's box entries."""
+    return [
+        start[:, d : d + 1] + torch.arange(b, device=start.device)
+        for d, b in enumerate(box)
+    ]
+
+
+def valid(start: Tensor, box: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
+    """``[V, 1, 1, *box]`` (bool): which entries of each column's box are in the map.
+
+    Args:
+        start: ``[V, d]`` box starts.
+        box: Box size.
+        size: The map's spatial size.
+
+    Returns:
+        The mask.
+    """
+    v, dims = start.shape[0], len(box)
+    inside = torch.ones((v, *box), dtype=torch.bool, device=start.device)
+    for d, (coord, s) in enumerate(zip(_coords(start, box), size, strict=True)):
+        ok = (coord >= 0) & (coord < s)  # [V, box_d]
+        shape = [v] + [1] * dims
+        shape[1 + d] = box[d]
+        inside = inside & ok.view(shape)
+    return inside.view(v, 1, 1, *box)
+
+
+def _positions(
+    start: Tensor, box: tuple[int, ...], size: tuple[int, ...]
+) -> tuple[Tensor, Tensor]:
+    """Flat map index of every box entry (clamped into the map) and whether it is inside.
+
+    Returns:
+        ``([V, prod(box)] int64, [V, prod(box)] bool)``.
+    """
+    v, dims = start.shape[0], len(box)
+    index = torch.zeros((v, *box), dtype=torch.int64, device=start.device)
+    inside = torch.ones((v, *box), dtype=torch.bool, device=start.device)
+    stride = 1
+    for d in reversed(range(dims)):
+        coord = start[:, d : d + 1] + torch.arange(box[d], device=start.device)
+        ok = (coord >= 0) & (coord < size[d])
+        shape = [v] + [1] * dims
+        shape[1 + d] = box[d]
+        index = index + (coord.clamp(0, size[d] - 1) * stride).view(shape)
+        inside = inside & ok.view(shape)
+        stride *= size[d]
+    return index.view(v, -1), inside.view(v, -1)
+
+
+def gather(
+    values: Tensor, start: Tensor, box: tuple[int, ...], size: tuple[int, ...]
+) -> Tensor:
+    """Boxes of a map, per column: zero where a box leaves the map.
+
+    Args:
+        values: ``[N, C, *size]`` (one map for every column) or ``[V, N, C, *size]``.
+        start: ``[V, d]`` box starts in the map's coordinates.
+        box: Box size.
+        size: The map's spatial size.
+
+    Returns:
+        ``[V, N, C, *box]``.
+    """
+    v = start.shape[0]
+    index, inside = _positions(start, tuple(box), tuple(size))
+    pb = index.shape[1]
+    if values.dim() == len(size) + 2:  # one map: index its positions directly
+        n, c = values.shape[:2]
+        flat = values.reshape(n, c, -1)
+        out = flat[:, :, index.view(-1)].view(n, c, v, pb).permute(2, 0, 1, 3)
+    else:
+        n, c = values.shape[1:3]
+        free = n > 1 and values.stride(1) == 0
+        flat = values[:, :1] if free else values
+        flat = flat.reshape(v, flat.shape[1], c, -1)
+        out = torch.gather(flat, 3, index.view(v, 1, 1, pb).expand(v, flat.shape[1], c, pb))
+        if free:
+            out = out.expand(v, n, c, pb)
+    if not bool(inside.all()):
+        out = out * inside.view(v, 1, 1, pb).to(out.dtype)
+    return out.reshape(v, out.shape[1], c, *box)
+
+
+def window(values: Tensor) -> Windowed | Tensor:
+    """Dense vectors ``[V, N, C, *S]`` on boxes read from their non-zero entries.
+
+    Exact: every entry outside a column's box is zero. Stays dense where the boxes would
+    cover more than :data:`MAX_FILL` of the map, or there are no spatial axes.
+
+    Args:
+        values: ``[V, N, C, *S]``.
+
+    Returns:
+        A :class:`Windowed` block, or ``values`` itself.
+    """
+    if not isinstance(values, Tensor) or values.dim() < 4:
+        return values
+    v, n = values.shape[:2]
+    size = tuple(values.shape[3:])
+    free = n > 1 and values.stride(1) == 0
+    probe = values[:, :1] if free else values
+    nonzero = (probe != 0).flatten(1, 2).any(1)  # [V, *S]
+    dims = len(size)
+    starts, box = [], []
+    for d in range(dims):
+        others = [1 + e for e in range(dims) if e != d]
+        hit = nonzero.any(others) if others else nonzero  # [V, S_d]
+        idx = torch.arange(size[d], device=values.device)
+        first = torch.where(hit, idx, size[d]).min(1).values
+        last = torch.where(hit, idx, -1).max(1).values
+        empty = last < first
+        first = torch.where(empty, 0, first)
+        last = torch.where(empty, 0, last)
+        length = int((last - first + 1).max()) if v else 1
+        # shift boxes inward so that they stay inside the map
+        starts.append(torch.minimum(first, torch.tensor(size[d] - length)))
+        box.append(length)
+    if math.prod(box) > MAX_FILL * math.prod(size):
+        return values
+    start = torch.stack(starts, 1).to(torch.int64)
+    return Windowed(gather(values, start, tuple(box), size), start, size)
+
+
+def dense(value: Any) -> Any:
+    """Dense vectors for a :class:`Windowed` block; anything else as it is.
+
+    Args:
+        value: A block, a tensor or ``None``.
+
+    Returns:
+        ``value.dense()`` for a block, else ``value``.
+    """
+    return value.dense() if isinstance(value, Windowed) else value
+
+
+def add(old: Any, value: Any) -> Any:
+    """Vectors meeting at one place, added (a block on the union of both boxes).
+
+    Args:
+        old: A block or tensor.
+        value: A block or tensor.
+
+    Returns:
+        Their sum.
+    """
+    if isinstance(old, Windowed) and isinstance(value, Windowed):
+        lo = torch.minimum(old.start, value.start)
+        hi = torch.maximum(
+            old.start + torch.tensor(old.box, device=lo.device),
+            value.start + torch.tensor(value.box, device=lo.device),
+        )
+        box = tuple(int(b) for b in (hi - lo).max(0).values.tolist())
+        if math.prod(box) <= MAX_FILL * math.prod(old.size):
+            a, b = old.rebox(lo, box), value.rebox(lo, box)
+            return Windowed(a.data + b.data, lo, old.size)
+    return dense(old) + dense(value)
+
+
+def end_of(value: Any, fill: float = MAX_FILL) -> Windowed | Tensor:
+    """A rule's windowed result, dense if its box covers more than ``fill`` of the map.
+
+    Args:
+        value: A block.
+        fill: The largest share of the map a box may cover.
+
+    Returns:
+        The block, or its dense vectors.
+    """
+    if isinstance(value, Windowed) and value.fill() > fill:
+        return value.dense()
+    return value
