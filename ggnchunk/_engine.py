@@ -19,6 +19,7 @@ never run again.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -515,8 +516,11 @@ class GGNComputation:
 
     def _windowed(self, factor: SqrtHessianFactor) -> bool:
         """Whether this pass carries its columns on boxes (:mod:`ggnchunk._windows`)."""
+        output = self._output
         return (
             windows.ENABLED and self.quantity.windowed and factor.local
+            and output is not None and output.dim() >= 3
+            and math.prod(output.shape[2:]) >= windows.MIN_POSITIONS
             and any(call.rule.windowed for call in self._recording.calls)
         )  # fmt: skip
 

@@ -48,7 +48,7 @@ from ggnchunk._autograd import (
 from ggnchunk._checks import user_stacklevel
 from ggnchunk._quantities import Quantity
 from ggnchunk._rules import LayerRule, RuleContext
-from ggnchunk._windows import Windowed, window
+from ggnchunk._windows import Windowed, attach, dense
 from ggnchunk._windows import add as add_vectors
 
 __all__ = ["Call", "Recording", "SampleCouplingError", "SlowBackwardWarning"]
@@ -442,31 +442,27 @@ class Recording:
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
         """
-        windows = isinstance(seed, Windowed)
 
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
-            if isinstance(grads, Windowed):  # autograd needs full maps
-                self._window_end(self._place(source), "operations without a windowed form")
-                grads = grads.dense()
+            block = grads if isinstance(grads, Windowed) else None
             if source.frontier:
+                # a block crosses as its windowed part made dense and its fields, and
+                # is windowed again from the values it reaches
+                vectors = grads if block is None else block.stacked()
                 with noting(self._note(source)):
-                    results = quantity.through(source, grads)
-                if windows:  # read the boxes again where a windowed rule follows
-                    results = [
-                        window(r) if r is not None and self._call_at(e).rule.windowed else r
-                        for e, r in zip(source.frontier, results, strict=True)
-                    ]
+                    results = quantity.through(source, vectors)
+                del vectors
+                if block is not None:
+                    results = [block.split(r) for r in results]
+                    self._window_ended(source, results)
                 found = list(zip(source.frontier, results, strict=True))
             if source.params:
                 with noting(self._note(source)):
-                    quantity.glue(self, source, grads)
+                    quantity.glue(self, source, dense(grads))
             return found
 
         def layer(call: Call, grads: Tensor) -> Tensor | None:
-            if isinstance(grads, Windowed) and not call.rule.windowed:
-                self._window_end(self._place(call), "no windowed rule")
-                grads = grads.dense()
             quantity.layer(self, call, grads)
             if call.leaf is None:
                 return None
@@ -487,15 +483,30 @@ class Recording:
             ``[V, N, *input]``.
         """
         if isinstance(grads, Windowed):
-            back = call.rule.backprop_windowed(call.ctx, grads)
-            if back is not None:
-                if not isinstance(back, Windowed):
-                    self._window_end(
-                        f"the input of {self._place(call)}", "boxes fill the map"
-                    )
-                return back
-            self._window_end(self._place(call), "no windowed form for this call")
-            grads = grads.dense()
+            return self._backprop_windowed(call, grads)
+        return self._backprop_dense(call, grads)
+
+    def _backprop_windowed(self, call: Call, block: Windowed) -> Any:
+        """A block through a call: the rule's windowed map (fields through its dense one).
+
+        A rule without a windowed form maps the block's windowed part made dense, and the
+        result is windowed again from its values.
+        """
+        part = block.windowed_part()
+        back = call.rule.backprop_windowed(call.ctx, part)
+        if back is None:
+            back = block.split(self._backprop_dense(call, block.stacked()))
+        elif block.fields is not None:
+            back = attach(back, self._backprop_dense(call, block.fields), block.coeffs)
+        self._window_ended(call, [back])
+        return back
+
+    def _window_ended(self, where: Call | _Source, results: list[Any]) -> None:
+        """Remember where a block became dense vectors (for the report)."""
+        if any(r is not None and not isinstance(r, Windowed) for r in results):
+            self.window_ends.setdefault(self._place(where), "the boxes fill the map")
+
+    def _backprop_dense(self, call: Call, grads: Tensor) -> Tensor:
         n = grads.shape[1]
         if call.rule.sample_free_backprop and grads.stride(1) == 0:
             # the same vectors for every sample (MSE's columns): map them once
@@ -521,9 +532,6 @@ class Recording:
             else f"the input of {_display(self.calls[where.last_consumer].name)}"
         )  # fmt: skip
         return f"the operations before {before}{after}"
-
-    def _window_end(self, place: str, why: str) -> None:
-        self.window_ends.setdefault(place, why)
 
     def _note(self, where: Call | _Source) -> Callable[[str], None]:
         """Remember an operation that vmap ran once per column, and where."""

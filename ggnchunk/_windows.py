@@ -45,9 +45,19 @@ ENABLED = os.environ.get("GGNCHUNK_WINDOWS", "1") != "0"
 MAX_FILL = 0.5
 """A box covering more than this share of its map ends the window (dense from there)."""
 
+MIN_POSITIONS = 256
+"""Outputs with fewer spatial positions sweep dense columns: on small maps the boxes
+soon fill them, and windowing costs more than it saves (measured in issue 19's note)."""
+
 
 class Windowed:
-    """Columns ``[V, N, C, *S]`` carried on one box per column.
+    """Columns ``[V, N, C, *S]`` carried on one box per column, plus shared fields.
+
+    The vectors are ``dense(data) + sum_k coeffs[v, n, k] * fields[k, n]``: a windowed
+    part, and a few dense maps per sample (``fields``) that every column of the sample
+    adds with its own coefficients. Normalizations over positions (GroupNorm) add them:
+    their backward is local but for two directions per group that are the same for
+    every column of a sample.
 
     Args:
         data: ``[V, N, C, *box]``; entries outside the map are zero. The sample axis may
@@ -55,14 +65,21 @@ class Windowed:
         start: ``[V, d]`` (int64): each column's box start per spatial axis; may be
             negative or reach past the map.
         size: The map's spatial size ``S`` (``d`` entries).
+        fields: ``[K, N, C, *S]`` or ``None``.
+        coeffs: ``[V, N, K]`` or ``None`` (with ``fields``).
     """
 
-    __slots__ = ("data", "size", "start")
+    __slots__ = ("coeffs", "data", "fields", "size", "start")
 
-    def __init__(self, data: Tensor, start: Tensor, size: tuple[int, ...]):
+    def __init__(
+        self, data: Tensor, start: Tensor, size: tuple[int, ...],
+        fields: Tensor | None = None, coeffs: Tensor | None = None,
+    ):  # fmt: skip
         self.data = data
         self.start = start
         self.size = tuple(size)
+        self.fields = fields
+        self.coeffs = coeffs
 
     @property
     def box(self) -> tuple[int, ...]:
@@ -76,7 +93,7 @@ class Windowed:
 
     @property
     def sample_free(self) -> bool:
-        """The same vectors for every sample (a stride-0 sample axis)."""
+        """The same windowed vectors for every sample (a stride-0 sample axis)."""
         return self.data.shape[1] > 1 and self.data.stride(1) == 0
 
     def fill(self) -> float:
@@ -87,12 +104,24 @@ class Windowed:
         """``[V, 1, 1, *box]`` (bool): the box entries inside the map."""
         return valid(self.start, self.box, self.size)
 
+    def windowed_part(self) -> Windowed:
+        """The block without its fields."""
+        if self.fields is None:
+            return self
+        return Windowed(self.data, self.start, self.size)
+
     def dense(self) -> Tensor:
-        """The block as dense vectors ``[V, N, C, *S]`` (zeros outside the boxes).
+        """The block as dense vectors ``[V, N, C, *S]`` (fields included).
 
         Returns:
-            A new tensor (a stride-0 sample axis stays one).
+            A new tensor (a stride-0 sample axis stays one where there are no fields).
         """
+        out = self._dense_data()
+        if self.fields is not None:
+            out = out + mix(self.coeffs, self.fields)
+        return out
+
+    def _dense_data(self) -> Tensor:
         data = self.data
         v, n, c = data.shape[:3]
         free = self.sample_free
@@ -106,23 +135,56 @@ class Windowed:
         out = out.view(v, flat.shape[1], c, *self.size)
         return out.expand(v, n, *out.shape[2:]) if free else out
 
+    def stacked(self) -> Tensor:
+        """The windowed part dense, then the fields: ``[V + K, N, C, *S]``.
+
+        A linear map applied to these (batched over the first axis) gives both parts'
+        images; :meth:`split` puts them together again.
+
+        Returns:
+            The stacked vectors.
+        """
+        part = self._dense_data()
+        if self.fields is None:
+            return part
+        return torch.cat(
+            [part.expand(-1, self.fields.shape[1], *part.shape[2:]), self.fields]
+        )
+
+    def split(self, result: Tensor | None) -> Windowed | Tensor | None:
+        """The image of :meth:`stacked` under a linear map, as a block again.
+
+        The windowed part is windowed again from its values (:func:`window`).
+
+        Args:
+            result: ``[V + K, N, ...]`` (``None``: the map reached nothing).
+
+        Returns:
+            A block (or dense vectors where the boxes fill the map).
+        """
+        if result is None:
+            return None
+        v = self.data.shape[0]
+        fields = None if self.fields is None else result[v:]
+        return attach(window(result[:v]), fields, self.coeffs)
+
     def rebox(self, start: Tensor, box: tuple[int, ...]) -> Windowed:
-        """The same vectors on other boxes (entries outside the old box are zero).
+        """The windowed part on other boxes (entries outside the old box are zero).
 
         Args:
             start: ``[V, d]`` new box starts.
             box: New box size.
 
         Returns:
-            The block on the new boxes.
+            The block on the new boxes (fields as they are).
         """
         if tuple(box) == self.box and torch.equal(start, self.start):
             return self
         data = gather(self.data, start - self.start, box, self.box)
-        return Windowed(data, start, self.size)
+        return Windowed(data, start, self.size, self.fields, self.coeffs)
 
     def with_data(self, data: Tensor) -> Windowed:
-        """The same boxes with other values (``[V, N, C', *box]``).
+        """The same boxes with other values (``[V, N, C', *box]``), without fields.
 
         Args:
             data: The values.
@@ -131,6 +193,47 @@ class Windowed:
             A block on the same boxes.
         """
         return Windowed(data, self.start, self.size)
+
+
+def mix(coeffs: Tensor, fields: Tensor) -> Tensor:
+    """``sum_k coeffs[v, n, k] * fields[k, n, ...]``.
+
+    Args:
+        coeffs: ``[V, N, K]``.
+        fields: ``[K, N, ...]``.
+
+    Returns:
+        ``[V, N, ...]``.
+    """
+    k, n = fields.shape[:2]
+    flat = fields.reshape(k, n, -1)
+    out = torch.einsum("vnk,knf->vnf", coeffs, flat)
+    return out.reshape(coeffs.shape[0], n, *fields.shape[2:])
+
+
+def attach(
+    back: Windowed | Tensor, fields: Tensor | None, coeffs: Tensor | None
+) -> Windowed | Tensor:
+    """Mapped vectors with (mapped) fields added back: ``back + sum_k coeffs fields``.
+
+    Args:
+        back: A block (whose own fields come after ``fields``) or dense vectors.
+        fields: ``[K, N, ...]`` or ``None``.
+        coeffs: ``[V, N, K]`` or ``None``.
+
+    Returns:
+        A block, or dense vectors.
+    """
+    if fields is None:
+        return back
+    if not isinstance(back, Windowed):
+        return back + mix(coeffs, fields)
+    if back.fields is not None:
+        fields = torch.cat([fields, back.fields])
+        coeffs = torch.cat([coeffs, back.coeffs], 2)
+    n = max(back.data.shape[1], fields.shape[1])
+    coeffs = coeffs.expand(coeffs.shape[0], n, coeffs.shape[2])
+    return Windowed(back.data, back.start, back.size, fields, coeffs)
 
 
 def _coords(start: Tensor, box: tuple[int, ...]) -> list[Tensor]:
@@ -290,7 +393,9 @@ def add(old: Any, value: Any) -> Any:
         box = tuple(int(b) for b in (hi - lo).max(0).values.tolist())
         if math.prod(box) <= MAX_FILL * math.prod(old.size):
             a, b = old.rebox(lo, box), value.rebox(lo, box)
-            return Windowed(a.data + b.data, lo, old.size)
+            summed = Windowed(a.data + b.data, lo, old.size)
+            summed = attach(summed, b.fields, b.coeffs)
+            return attach(summed, a.fields, a.coeffs)
     return dense(old) + dense(value)
 
 

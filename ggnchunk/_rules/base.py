@@ -232,6 +232,16 @@ class LayerRule(ABC):
         """
         return None
 
+    def _field_products(self, ctx: RuleContext, block: Any) -> dict[str, Tensor] | None:
+        """The per-sample products of a block's fields (``[K, N, *param]``), or ``None``.
+
+        A windowed diagonal adds ``sum_k coeffs[v, n, k]`` times these to each column's
+        own products before squaring.
+        """
+        if block.fields is None:
+            return None
+        return self.per_sample(ctx, block.fields)
+
     def backprop_windowed(self, ctx: RuleContext, block: Any) -> Any:
         """:meth:`backprop` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
 

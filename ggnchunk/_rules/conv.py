@@ -18,7 +18,7 @@ from ggnchunk._rules.kernels import (
     square_sum_bytes,
     use_gram,
 )
-from ggnchunk._windows import Windowed, end_of, gather, valid
+from ggnchunk._windows import Windowed, end_of, gather, mix, valid
 
 __all__ = ["ConvRule", "ConvTransposeRule"]
 
@@ -218,6 +218,7 @@ class ConvRule(LayerRule):
         o = c // g
         pb = math.prod(box)
         a = data.reshape(v, n, g, o, pb)
+        fields = self._field_products(ctx, block)
         if trainable(module, "weight"):
             patches = self._patches(ctx)  # [N, G, K, P]
             k = patches.shape[2]
@@ -227,12 +228,17 @@ class ConvRule(LayerRule):
             for i in range(0, v, step):
                 b = gather(maps, start[i : i + step], box, block.size)
                 b = b.reshape(-1, n, g, k, pb)  # the patches at each column's box
-                total += (
-                    torch.matmul(a[i : i + step], b.transpose(-1, -2)).square_().sum((0, 1))
-                )
+                prod = torch.matmul(a[i : i + step], b.transpose(-1, -2))
+                if fields is not None:
+                    phi = fields["weight"].view(-1, n, g, o, k)
+                    prod = prod + mix(block.coeffs[i : i + step], phi)
+                total += prod.square_().sum((0, 1))
             out["weight"] = total.reshape(module.weight.shape)
         if trainable(module, "bias"):
-            out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
+            sums = a.sum(4).reshape(v, n, c)
+            if fields is not None:
+                sums = sums + mix(block.coeffs, fields["bias"])
+            out["bias"] = sums.square().sum((0, 1))
         return out
 
     def backprop_windowed(self, ctx, block):
@@ -396,6 +402,7 @@ class ConvTransposeRule(LayerRule):
     def diag_windowed(self, ctx, block):
         module, x, out = ctx.module, ctx.x, {}
         v, n, c = block.data.shape[:3]
+        fields = self._field_products(ctx, block)
         if trainable(module, "weight"):
             dims = x.dim() - 2
             kernel, stride, _, dilation = self._geometry(module, dims)
@@ -410,6 +417,10 @@ class ConvTransposeRule(LayerRule):
             for k in kernel:
                 offsets = [(*o, i) for o in offsets for i in range(k)]
             result = x.new_zeros(g, c // g, len(offsets), ci // g)
+            phi = None
+            if fields is not None:  # [K, N, G, Cout/G, Cin/G, offsets]
+                phi = fields["weight"].view(-1, n, g, ci // g, c // g, len(offsets))
+                phi = phi.transpose(3, 4)
             step = max(1, BLOCK // max(n * (ci + c) * pb, 1))
             for i in range(0, v, step):
                 b = gather(x, start[i : i + step], box, tuple(x.shape[2:]))
@@ -417,12 +428,16 @@ class ConvTransposeRule(LayerRule):
                 for j, offset in enumerate(offsets):
                     index = (slice(i, i + step), slice(None), slice(None), *offset)
                     a = view[index].reshape(-1, n, g, c // g, pb)
-                    result[:, :, j] += (
-                        torch.matmul(a, b.transpose(-1, -2)).square_().sum((0, 1))
-                    )
+                    prod = torch.matmul(a, b.transpose(-1, -2))
+                    if phi is not None:
+                        prod = prod + mix(block.coeffs[i : i + step], phi[..., j])
+                    result[:, :, j] += prod.square_().sum((0, 1))
             out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
         if trainable(module, "bias"):
-            out["bias"] = block.data.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
+            sums = block.data.reshape(v, n, c, -1).sum(3)
+            if fields is not None:
+                sums = sums + mix(block.coeffs, fields["bias"])
+            out["bias"] = sums.square().sum((0, 1))
         return out
 
     def backprop_windowed(self, ctx, block):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule, RuleContext, trainable
+from ggnchunk._windows import Windowed, gather, mix
 
 __all__ = ["BatchNormRule", "GroupNormRule", "LayerNormRule"]
 
@@ -89,7 +91,30 @@ class _NormRule(LayerRule):
         return self.column_bytes(ctx, element), self.fixed_bytes(ctx, element), 0
 
 
-class BatchNormRule(_NormRule):
+class _ChannelNormRule(_NormRule):
+    """Normalizations with one weight per channel (axis 1): BatchNorm, GroupNorm."""
+
+    windowed = True
+
+    def diag_windowed(self, ctx, block):
+        module, out = ctx.module, {}
+        data = block.data
+        v, n, c = data.shape[:3]
+        fields = self._field_products(ctx, block)
+        sums = {}
+        if trainable(module, "weight"):
+            x_hat = gather(self._x_hat(ctx), block.start, block.box, block.size)
+            sums["weight"] = (data * x_hat).reshape(v, n, c, -1).sum(3)
+        if trainable(module, "bias"):
+            sums["bias"] = data.reshape(v, n, c, -1).sum(3)
+        for name, value in sums.items():
+            if fields is not None:
+                value = value + mix(block.coeffs, fields[name])
+            out[name] = value.square().sum((0, 1))
+        return out
+
+
+class BatchNormRule(_ChannelNormRule):
     """``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics."""
 
     classes = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -125,12 +150,21 @@ class BatchNormRule(_NormRule):
     def backprop_bytes(self, ctx, element):  # nothing kept: running statistics only
         return self.column_bytes(ctx, element), 0, 0
 
-    def backprop(self, ctx, grads):
+    def _scale(self, ctx: RuleContext, dtype: torch.dtype) -> Tensor:
         module = ctx.module
-        scale = (ctx.caches.running[1].to(grads.dtype) + module.eps).rsqrt()
+        scale = (ctx.caches.running[1].to(dtype) + module.eps).rsqrt()
         if module.weight is not None:
             scale = scale * module.weight.detach()
+        return scale
+
+    def backprop(self, ctx, grads):
+        scale = self._scale(ctx, grads.dtype)
         return grads * scale.view(-1, *([1] * (grads.dim() - 3)))
+
+    def backprop_windowed(self, ctx, block):
+        data = block.data
+        scale = self._scale(ctx, data.dtype)
+        return block.with_data(data * scale.view(-1, *([1] * (data.dim() - 3))))
 
 
 class LayerNormRule(_NormRule):
@@ -155,7 +189,7 @@ class LayerNormRule(_NormRule):
         return self._backprop_normalized(ctx, grads, tuple(ctx.module.normalized_shape))
 
 
-class GroupNormRule(_NormRule):
+class GroupNormRule(_ChannelNormRule):
     """``nn.GroupNorm``."""
 
     classes = (nn.GroupNorm,)
@@ -174,3 +208,40 @@ class GroupNormRule(_NormRule):
     def backprop(self, ctx, grads):
         shape = (-1, *([1] * (grads.dim() - 3)))
         return self._backprop_normalized(ctx, grads, shape)
+
+    def backprop_windowed(self, ctx, block):
+        """``rstd * (h - mean(h) - x_hat * mean(h * x_hat))`` per group, ``h = g * w``.
+
+        ``rstd * h`` stays on the box; the two means are, per column and sample, two
+        numbers per group times two maps that are the same for every column of a sample
+        (``rstd`` on the group's channels, and ``rstd * x_hat`` there): they become the
+        block's fields, with the means as coefficients. Exact, and the box does not grow.
+        """
+        module = ctx.module
+        data = block.data
+        v, n, c = data.shape[:3]
+        g = module.num_groups
+        spatial = (1,) * (data.dim() - 3)
+        if module.weight is not None:
+            data = data * module.weight.detach().view(-1, *spatial)
+        if ctx.lean:
+            x_hat, rstd = ctx.caches.normalized or self._normalized(ctx)
+        else:
+            x_hat, rstd = self._kept_normalized(ctx)
+        count = x_hat.shape[-1]  # elements per group
+        maps = x_hat.reshape(ctx.x.shape)  # [N, C, *S]
+        near = gather(maps, block.start, block.box, block.size)  # x_hat on the boxes
+        per_group = (v, data.shape[1], g, -1)
+        mean = data.reshape(per_group).sum(3) / count  # [V, N, G]
+        mean_x = (data * near).reshape(v, n, g, -1).sum(3) / count
+        rstd_c = rstd.view(n, g, 1).expand(n, g, c // g).reshape(n, c)
+        local = data * rstd_c.view(1, n, c, *spatial)
+        # the fields: rstd on group j's channels, and rstd * x_hat there ([2G, N, C, *S])
+        member = torch.eye(g, dtype=data.dtype, device=data.device)
+        member = member.repeat_interleave(c // g, 1)  # [G, C]: channel c in group j
+        ones = (member.view(g, 1, c) * rstd_c.view(1, n, c)).view(g, n, c, *spatial)
+        ones = ones.expand(g, n, c, *block.size)
+        scaled = ones * maps.unsqueeze(0)
+        fields = torch.cat([ones, scaled])
+        coeffs = -torch.cat([mean.expand(v, n, g), mean_x], 2)
+        return Windowed(local, block.start, block.size, fields, coeffs)

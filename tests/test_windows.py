@@ -1,0 +1,348 @@
+"""Windowed columns (issue 19): windowed sweeps against the float64 brute force.
+
+Every case runs with windows forced on (also for maps smaller than the engine's own
+threshold) and must (1) match ``tests/reference.py`` to 1e-9 and (2) really have carried
+columns on boxes (a spy on the engine's windowing counts them), in every chunking mode.
+The models are image-to-image: borders, every padding mode, stride, dilation, groups,
+``output_padding``, pooling, upsampling, ``cat`` skips, normalizations over positions,
+attention at the bottleneck, a Linear bottleneck and a VAE drawing noise in ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import ggnchunk
+from ggnchunk import _engine, _windows
+from tests.reference import assert_diag_close, recorded_draws, reference_diag_ggn
+
+N = 2
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel"),
+    pytest.mark.filterwarnings("ignore::ggnchunk.SlowBackwardWarning"),
+]
+
+
+# ------------------------------------------------------------------------------- models
+
+
+class SkipNet(nn.Module):
+    """Encoder-decoder with ``cat`` skips, GroupNorm, pooling and upsampling."""
+
+    def __init__(self, cin: int = 2, cout: int = 2, pool: str = "avg", up: str = "nearest"):
+        super().__init__()
+        self.enc = nn.Sequential(
+            nn.Conv2d(cin, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU()
+        )
+        self.pool = nn.AvgPool2d(2) if pool == "avg" else nn.MaxPool2d(2)
+        self.mid = nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(4, 4), nn.Tanh()
+        )
+        if up == "nearest":
+            self.up = nn.Upsample(scale_factor=2)
+        else:
+            self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.dec = nn.Conv2d(8, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, cout, 1)
+
+    def forward(self, x):
+        e = self.enc(x)
+        d = self.dec(torch.cat([self.up(self.mid(self.pool(e))), e], dim=1))
+        return self.head(F.silu(d))
+
+
+class AttentionBottleneck(nn.Module):
+    """Stride-2 conv encoder, self-attention over the positions, ConvTranspose decoder."""
+
+    def __init__(self, channels: int = 2, width: int = 4):
+        super().__init__()
+        self.down = nn.Conv2d(channels, width, 3, stride=2, padding=1)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.ConvTranspose2d(width, width, 3, stride=2, padding=1, output_padding=1)
+        self.head = nn.Conv2d(width + channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = F.gelu(self.down(x))
+        n, c, hh, ww = h.shape
+        seq = h.flatten(2).transpose(1, 2)
+        seq = self.norm(seq + self.attn(seq, seq, seq, need_weights=False)[0])
+        h = seq.transpose(1, 2).reshape(n, c, hh, ww)
+        return self.head(torch.cat([F.relu(self.up(h)), x], dim=1))
+
+
+class ConvVAE(nn.Module):
+    """Conv encoder, Linear bottleneck with replayable noise, conv decoder."""
+
+    def __init__(self, side: int = 8, latent: int = 3):
+        super().__init__()
+        self.side = side
+        self.enc = nn.Sequential(nn.Conv2d(1, 3, 3, stride=2, padding=1), nn.ELU())
+        self.stats = nn.Linear(3 * (side // 2) ** 2, 2 * latent)
+        self.expand = nn.Linear(latent, 3 * (side // 2) ** 2)
+        self.dec = nn.Sequential(
+            nn.Softplus(), nn.ConvTranspose2d(3, 2, 4, stride=2, padding=1), nn.Sigmoid(),
+            nn.Conv2d(2, 1, 3, padding=1),
+        )  # fmt: skip
+        self.draw: Tensor | None = None
+        self.replay: Tensor | None = None
+
+    def forward(self, x):
+        mu, logvar = self.stats(self.enc(x).flatten(1)).chunk(2, dim=-1)
+        eps = torch.randn_like(mu) if self.replay is None else self.replay
+        self.draw = eps.detach()
+        z = mu + torch.exp(0.5 * logvar) * eps
+        h = self.expand(z).view(-1, 3, self.side // 2, self.side // 2)
+        return self.dec(h)
+
+
+def _conv_stack(padding_mode: str) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1, padding_mode=padding_mode), nn.Tanh(),
+        nn.Conv2d(3, 2, 3, padding=1, padding_mode=padding_mode),
+    )  # fmt: skip
+
+
+MODELS = {
+    # BackPACK's retain_graph tutorial autoencoder, smaller
+    "tutorial-ae": lambda: nn.Sequential(
+        nn.Conv2d(3, 5, 3), nn.Sigmoid(), nn.ConvTranspose2d(5, 3, 3)
+    ),
+    "outpad-ae": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1),
+    ),
+    "dilation-groups-same": lambda: nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=2, dilation=2),
+        nn.ELU(),
+        nn.Conv2d(4, 4, 4, groups=2, padding="same"),
+        nn.Sigmoid(),
+        nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2),
+        nn.Conv2d(4, 2, 3, stride=2),
+    ),
+    "convT-dilation-stride3": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 5, stride=3),
+        nn.Softplus(),
+        nn.ConvTranspose2d(3, 2, 3, stride=3, padding=2, dilation=2, output_padding=1),
+    ),
+    "reflect": lambda: _conv_stack("reflect"),
+    "circular": lambda: _conv_stack("circular"),
+    "replicate": lambda: _conv_stack("replicate"),
+    "conv1d": lambda: nn.Sequential(
+        nn.Conv1d(2, 3, 5, padding=2, stride=2),
+        nn.Tanh(),
+        nn.ConvTranspose1d(3, 2, 4, stride=2, padding=1),
+    ),
+    "conv3d": lambda: nn.Sequential(
+        nn.Conv3d(2, 2, 3, padding=1),
+        nn.BatchNorm3d(2),
+        nn.Tanh(),
+        nn.Conv3d(2, 2, 3, padding=1),
+    ),
+    "skips-groupnorm-avg-nearest": lambda: SkipNet(),
+    "skips-maxpool-bilinear": lambda: SkipNet(pool="max", up="bilinear"),
+    "layernorm-instancenorm": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.LayerNorm([3, 10, 10]),
+        nn.SiLU(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.InstanceNorm2d(3, affine=True),
+        nn.ReLU(),
+        nn.Conv2d(3, 2, 1),
+    ),
+    "attention-bottleneck": lambda: AttentionBottleneck(),
+    "conv-vae-linear-bottleneck": lambda: ConvVAE(),
+}
+SHAPES = {
+    "conv1d": (2, 16),
+    "conv3d": (2, 5, 4, 6),
+    "tutorial-ae": (3, 10, 9),
+    "conv-vae-linear-bottleneck": (1, 8, 8),
+    "convT-dilation-stride3": (2, 11, 11),
+}
+CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
+
+
+def _randomized(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+        norms = (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._NormBase)
+        if isinstance(module, norms) and getattr(module, "weight", None) is not None:
+            with torch.no_grad():
+                module.weight.normal_()
+                module.bias.normal_()
+    return model.double().eval()
+
+
+def _problem(name: str, loss: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    torch.manual_seed(1)
+    model = _randomized(MODELS[name]())
+    shape = SHAPES.get(name, (2, 10, 10))
+    x = torch.randn(N, *shape, dtype=torch.float64)
+    if name == "conv-vae-linear-bottleneck":
+        x = torch.rand(N, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        out = model(x)
+    if loss == "mse":
+        return model, nn.MSELoss(), x, torch.randn_like(out)
+    if loss == "bce":
+        return model, nn.BCEWithLogitsLoss(reduction="sum"), x, torch.rand_like(out)
+    classes = torch.randint(0, out.shape[1], (N, *out.shape[2:]))
+    return model, nn.CrossEntropyLoss(), x, classes
+
+
+LOSSES = ("mse", "bce", "ce")
+CHUNKINGS = {
+    "one-pass": lambda v: {},
+    "num_chunks": lambda v: {"num_chunks": 3},
+    "chunk_size": lambda v: {"chunk_size": max(1, v // 7)},
+    "budget": lambda v: {"max_memory": "256MiB"},
+    "auto": lambda v: {"chunk_size": "auto"},
+    "batch_chunks": lambda v: {"batch_chunk_size": 1, "num_chunks": 2},
+}
+
+
+@pytest.fixture
+def windows_everywhere(monkeypatch):
+    """Windows on for every map size; counts the windowed seeds."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    seen = []
+    window = _engine.window
+
+    def spy(values):
+        result = window(values)
+        seen.append(isinstance(result, _windows.Windowed))
+        return result
+
+    monkeypatch.setattr(_engine, "window", spy)
+    return seen
+
+
+@functools.cache
+def _expected(name: str, loss: str) -> dict[str, Tensor]:
+    model, loss_func, x, targets = _problem(name, loss)
+    return reference_diag_ggn(model, loss_func, x, targets)
+
+
+def _columns(name: str) -> int:
+    shape = SHAPES.get(name, (2, 10, 10))
+    return CHANNELS.get(name, 2) * math.prod(shape[1:])
+
+
+CASES = [
+    pytest.param(name, loss, chunking, id=f"{name}-{loss}-{chunking}")
+    for name in MODELS
+    for loss in LOSSES
+    for chunking in CHUNKINGS
+    if (loss == "mse" or chunking in ("one-pass", "chunk_size"))
+    and not (loss == "ce" and CHANNELS.get(name, 2) == 1)
+    # the VAE's recorded draw is its last forward pass's: one sub-batch's
+    and not (name == "conv-vae-linear-bottleneck" and chunking == "batch_chunks")
+]
+
+
+@pytest.mark.parametrize(("name", "loss", "chunking"), CASES)
+def test_windowed_matches_brute_force(name, loss, chunking, windows_everywhere):
+    model, loss_func, x, targets = _problem(name, loss)
+    kwargs = CHUNKINGS[chunking](_columns(name))
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, **kwargs)
+    if name == "conv-vae-linear-bottleneck":  # the noise this call's forward drew
+        expected = reference_diag_ggn(model, loss_func, x, targets, recorded_draws(model))
+    else:
+        expected = _expected(name, loss)
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {loss} {kwargs}")
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+
+
+@pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "outpad-ae", "reflect"])
+def test_windowed_equals_dense_path(name, monkeypatch):
+    """The same call with the switch off gives the same numbers (float64 rounding)."""
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    results = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(_windows, "ENABLED", enabled)
+        model, loss_func, x, targets = _problem(name, "mse")
+        results[enabled] = ggnchunk.diag_ggn(model, loss_func, x, targets, chunk_size=7)
+    assert_diag_close(results[True], results[False], rtol=1e-12, label=name)
+
+
+@pytest.mark.parametrize("quantity", ["per_sample", "kron"])
+def test_other_quantities_with_windows_on(quantity, windows_everywhere, monkeypatch):
+    """Per-sample diagonals and Kronecker factors sweep dense columns: still exact."""
+    model, loss_func, x, targets = _problem("outpad-ae", "mse")
+    if quantity == "per_sample":
+        actual = ggnchunk.diag_ggn(
+            model, loss_func, x, targets, per_sample=True, num_chunks=2
+        )
+        expected = _expected("outpad-ae", "mse")
+        assert_diag_close({k: v.sum(0) for k, v in actual.items()}, expected, 1e-9)
+    else:  # the factors themselves are checked against the brute force in test_kron
+        model, loss_func, x, targets = _problem("reflect", "mse")
+        on = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
+        monkeypatch.setattr(_windows, "ENABLED", False)
+        off = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
+        for name in on:
+            assert torch.equal(on[name].output, off[name].output), name
+            assert torch.equal(on[name].input, off[name].input), name
+    assert not any(windows_everywhere)
+
+
+# ------------------------------------------------------------------- the block's algebra
+
+
+def _random_block(v: int = 5, n: int = 3, c: int = 2, size=(7, 6), box=(3, 4)) -> Tensor:
+    """Dense columns, each non-zero on a random box (some leaving the map)."""
+    torch.manual_seed(3)
+    dense = torch.zeros(v, n, c, *size, dtype=torch.float64)
+    for i in range(v):
+        r = torch.randint(0, size[0] - box[0] + 1, ()).item()
+        s = torch.randint(0, size[1] - box[1] + 1, ()).item()
+        dense[i, :, :, r : r + box[0], s : s + box[1]] = torch.randn(n, c, *box)
+    return dense
+
+
+def test_window_and_dense_round_trip():
+    dense = _random_block()
+    block = _windows.window(dense)
+    assert isinstance(block, _windows.Windowed)
+    assert block.box == (3, 4)
+    assert torch.equal(block.dense(), dense)
+
+
+def test_blocks_add_on_the_union_of_their_boxes():
+    a, b = _random_block(), _random_block().roll(2, dims=3)
+    total = _windows.add(_windows.window(a), _windows.window(b))
+    assert torch.equal(_windows.dense(total), a + b)
+
+
+def test_rebox_outside_the_map_keeps_values_and_zeros():
+    dense = _random_block()
+    block = _windows.window(dense)
+    moved = block.rebox(block.start - 2, (7, 8))
+    assert torch.equal(moved.dense(), dense)
+    assert bool((moved.data * ~moved.valid()).eq(0).all())
+
+
+def test_fields_add_to_every_column():
+    dense = _random_block()
+    block = _windows.window(dense)
+    fields = torch.randn(2, 3, 2, 7, 6, dtype=torch.float64)
+    coeffs = torch.randn(5, 3, 2, dtype=torch.float64)
+    full = _windows.attach(block, fields, coeffs)
+    expected = dense + torch.einsum("vnk,knchw->vnchw", coeffs, fields)
+    assert torch.allclose(full.dense(), expected, rtol=1e-14, atol=1e-14)
