@@ -42,7 +42,6 @@ from ggnchunk._sqrt_hessians import (
     as_loss_module,
     lookup_loss,
 )
-from ggnchunk._windows import window
 
 __all__ = [
     "GGNComputation", "Problem", "check_kron_parameters", "full_float32", "model_lock",
@@ -506,9 +505,10 @@ class GGNComputation:
         factor = self._require_factor()
         self.quantity.begin(factor, start, stop)
         try:
-            seed = factor.columns(start, stop)
-            if self._windowed(factor):
-                seed = window(seed)  # one-hot columns on their output positions
+            if self._windowed(factor):  # one-hot columns on their output positions
+                seed = factor.windowed_columns(start, stop)
+            else:
+                seed = factor.columns(start, stop)
             self._recording.sweep(seed, self.quantity)
         except BaseException:
             self.quantity.abort()

@@ -17,12 +17,14 @@ import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ggnchunk._autograd import quiet_autograd
 from ggnchunk._checks import user_stacklevel
+from ggnchunk._windows import Windowed, window
 from ggnchunk.losses import GaussianNLL
 
 __all__ = [
@@ -60,6 +62,18 @@ class SqrtHessianFactor(ABC):
     local = False
     """Each column is non-zero at one output position only (all its channels): the
     sweeps may carry it on the box that position reaches (:mod:`ggnchunk._windows`)."""
+
+    def windowed_columns(self, start: int, stop: int) -> Any:
+        """Columns ``start:stop`` on their boxes (:class:`~ggnchunk._windows.Windowed`).
+
+        Args:
+            start: First column (inclusive).
+            stop: Last column (exclusive).
+
+        Returns:
+            A block (or the dense columns where windows do not pay).
+        """
+        return window(self.columns(start, stop))
 
     @abstractmethod
     def columns(self, start: int, stop: int) -> Tensor:
@@ -263,10 +277,43 @@ class _DiagonalFactor(SqrtHessianFactor):
     def combine(self, noise: Tensor) -> Tensor:
         return (noise * self._sqrt).view(noise.shape[0], *self._shape)
 
+    def windowed_columns(self, start: int, stop: int) -> Any:
+        if len(self._shape) < 3:
+            return self.columns(start, stop)
+        return _one_hot_block(self._shape, start, stop, self._sqrt[:, start:stop].T)
+
     def squared_mask(self, start: int, stop: int) -> Tensor:
         mask = torch.zeros_like(self._sqrt)
         mask[:, start:stop] = self._sqrt[:, start:stop].square()
         return mask.view(self._shape)
+
+
+def _one_hot_block(shape: torch.Size, start: int, stop: int, values: Tensor) -> Windowed:
+    """Columns ``s e_j`` of outputs ``[N, C, *S]`` on one-position boxes.
+
+    Args:
+        shape: The output's shape.
+        start: First column (flat output index).
+        stop: Last column (exclusive).
+        values: ``[V, N or 1]``: each column's entry per sample.
+
+    Returns:
+        The block ``[V, N or 1, C, 1, ...]``.
+    """
+    v, c, spatial = stop - start, shape[1], tuple(shape[2:])
+    positions = math.prod(spatial)
+    index = torch.arange(start, stop, device=values.device)
+    channel, flat = index // positions, index % positions
+    coords = []
+    for size in reversed(spatial):
+        coords.append(flat % size)
+        flat = flat // size
+    starts = torch.stack(coords[::-1], 1)
+    data = values.new_zeros(v, values.shape[1], c, *([1] * len(spatial)))
+    data.view(v, values.shape[1], c)[torch.arange(v, device=values.device), :, channel] = (
+        values
+    )
+    return Windowed(data, starts, spatial)
 
 
 class _ScaledIdentityFactor(SqrtHessianFactor):
@@ -302,6 +349,14 @@ class _ScaledIdentityFactor(SqrtHessianFactor):
 
     def combine(self, noise: Tensor) -> Tensor:
         return (noise * self._value).view(noise.shape[0], *self._shape)
+
+    def windowed_columns(self, start: int, stop: int) -> Any:
+        if len(self._shape) < 3:
+            return self.columns(start, stop)
+        values = torch.full((stop - start,), self._value, dtype=self._dtype,
+                            device=self._device)  # fmt: skip
+        block = _one_hot_block(self._shape, start, stop, values.view(-1, 1))
+        return block.expanded(self._batch)
 
     def squared_mask(self, start: int, stop: int) -> Tensor:
         mask = torch.zeros(1, self._features, dtype=self._dtype, device=self._device)

@@ -183,6 +183,18 @@ class Windowed:
         data = gather(self.data, start - self.start, box, self.box)
         return Windowed(data, start, self.size, self.fields, self.coeffs)
 
+    def expanded(self, samples: int) -> Windowed:
+        """The block with a one-sample axis expanded (stride 0) to ``samples``.
+
+        Args:
+            samples: ``N``.
+
+        Returns:
+            The same vectors for every sample.
+        """
+        data = self.data.expand(self.data.shape[0], samples, *self.data.shape[2:])
+        return Windowed(data, self.start, self.size, self.fields, self.coeffs)
+
     def with_data(self, data: Tensor) -> Windowed:
         """The same boxes with other values (``[V, N, C', *box]``), without fields.
 

@@ -222,14 +222,14 @@ def windows_everywhere(monkeypatch):
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     seen = []
-    window = _engine.window
+    windowed = _engine.GGNComputation._windowed
 
-    def spy(values):
-        result = window(values)
-        seen.append(isinstance(result, _windows.Windowed))
+    def spy(self, factor):
+        result = windowed(self, factor)
+        seen.append(result)
         return result
 
-    monkeypatch.setattr(_engine, "window", spy)
+    monkeypatch.setattr(_engine.GGNComputation, "_windowed", spy)
     return seen
 
 
