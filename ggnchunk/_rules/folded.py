@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule
+from ggnchunk._windows import Windowed, end_of, valid
 
 __all__ = ["FoldedRule"]
 
@@ -47,6 +48,44 @@ def _max_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
     return result.scatter_add_(3, index, flat).reshape(shape)
 
 
+def _nearest_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
+    """Nearest upsampling by integer factors: input ``i`` feeds outputs ``i*s`` on."""
+    out = tuple(node._saved_output_size)
+    scales = (node._saved_scales_h, node._saved_scales_w)
+    if any(o % i for o, i in zip(out, size, strict=True)):
+        return None
+    factor = tuple(o // i for o, i in zip(out, size, strict=True))
+    if any(s is not None and s != f for s, f in zip(scales, factor, strict=True)):
+        return None  # torch maps with the given scale then, not the ratio
+    f = torch.tensor(factor)
+    start = torch.div(block.start, f, rounding_mode="floor")
+    box = tuple((s + b - 2) // s + 1 for s, b in zip(factor, block.box, strict=True))
+    region = block.rebox(start * f, tuple(b * s for b, s in zip(box, factor, strict=True)))
+    data = region.data
+    v, n, c = data.shape[:3]
+    summed = data.reshape(v, n, c, box[0], factor[0], box[1], factor[1]).sum((4, 6))
+    return end_of(Windowed(summed, start, size))
+
+
+def _avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
+    """Average pooling, kernel = stride, no padding: each output spread over its tile."""
+    kernel = tuple(node._saved_kernel_size)
+    if (
+        tuple(node._saved_stride) != kernel or any(node._saved_padding)
+        or node._saved_ceil_mode or node._saved_divisor_override is not None
+    ):  # fmt: skip
+        return None
+    data = block.data
+    v, n, c, h, w = data.shape
+    kh, kw = kernel
+    spread = data[:, :, :, :, None, :, None].expand(v, n, c, h, kh, w, kw)
+    spread = spread.reshape(v, n, c, h * kh, w * kw) / (kh * kw)
+    start = block.start * torch.tensor(kernel)
+    box = (h * kh, w * kw)
+    spread = spread * valid(start, box, size).to(spread.dtype)
+    return end_of(Windowed(spread, start, size))
+
+
 _FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
     "MaxPool2DWithIndicesBackward0": _max_pool2d,
     "AvgPool2DBackward0": _avg_pool2d,
@@ -82,6 +121,20 @@ class FoldedRule(LayerRule):
         v, n = grads.shape[:2]
         folded = kernel(node, grads.reshape(v * n, *grads.shape[2:]), (v * n, *x.shape[1:]))
         return folded.reshape(v, n, *x.shape[1:])
+
+    windowed = True
+
+    def backprop_windowed(self, ctx, block):
+        node, x = ctx.node, ctx.x
+        if node is None or len(node.next_functions) != 1 or x.dim() != 4:
+            return None
+        size = tuple(x.shape[2:])
+        name = node.name()
+        if name == "UpsampleNearest2DBackward0":
+            return _nearest_windowed(node, block, size)
+        if name == "AvgPool2DBackward0":
+            return _avg_pool_windowed(node, block, size)
+        return None  # the dense kernel on the box made dense, windowed again
 
     def column_bytes(self, ctx, element):
         return (2 * math.prod(ctx.out_shape) + 2 * ctx.x.numel()) * element
