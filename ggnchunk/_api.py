@@ -54,12 +54,20 @@ class GGNReport:
         lean: Whether a tight ``max_memory`` made the passes lean: convolutions'
             patches unfolded one sample at a time in every pass instead of kept for the
             forward pass (less memory, more time).
+        windowed: Whether the passes carried each column on the box of the map where
+            it can be non-zero (image-shaped outputs with MSE, BCE or cross-entropy;
+            see "How it works" in the docs).
+        window_ends: Where windowed columns became dense vectors (their boxes covered
+            most of the map there), ``{place: reason}``; empty if they stayed windowed
+            to the end or no pass was windowed.
     """
 
     num_columns: int = 0
     batch_chunks: list[tuple[int, int]] = field(default_factory=list)
     schedules: list[ScheduleReport] = field(default_factory=list)
     lean: bool = False
+    windowed: bool = False
+    window_ends: dict[str, str] = field(default_factory=dict)
 
     @property
     def chunk_size(self) -> int:
@@ -85,7 +93,8 @@ class GGNReport:
         return (
             f"GGNReport(columns={self.num_columns}, passes={self.num_passes}, "
             f"chunk_size={chunk}, sub_batches={len(self.batch_chunks)}, "
-            f"peak={_mib(self.peak_extra_bytes)}, lean={self.lean})"
+            f"peak={_mib(self.peak_extra_bytes)}, lean={self.lean}, "
+            f"windowed={self.windowed})"
         )
 
 
@@ -455,6 +464,8 @@ def _compute(
                 last - first, backward, baseline=baseline, cost=bound
             )
             report.schedules.append(schedule)
+        report.windowed = report.windowed or run.windowed_passes > 0
+        report.window_ends.update(run.window_ends)
         if with_gradient:
             grads = run.gradient()
         run.close()

@@ -507,12 +507,21 @@ class GGNComputation:
         try:
             if self._windowed(factor):  # one-hot columns on their output positions
                 seed = factor.windowed_columns(start, stop)
+                self.windowed_passes += 1
             else:
                 seed = factor.columns(start, stop)
             self._recording.sweep(seed, self.quantity)
         except BaseException:
             self.quantity.abort()
             raise
+
+    windowed_passes = 0
+    """Backward passes that carried their columns on boxes."""
+
+    @property
+    def window_ends(self) -> dict[str, str]:
+        """Where windowed columns became dense vectors, and why (for the report)."""
+        return self._recording.window_ends if self._recording is not None else {}
 
     def _windowed(self, factor: SqrtHessianFactor) -> bool:
         """Whether this pass carries its columns on boxes (:mod:`ggnchunk._windows`)."""

@@ -346,3 +346,23 @@ def test_fields_add_to_every_column():
     full = _windows.attach(block, fields, coeffs)
     expected = dense + torch.einsum("vnk,knchw->vnchw", coeffs, fields)
     assert torch.allclose(full.dense(), expected, rtol=1e-14, atol=1e-14)
+
+
+def test_report_says_where_windows_ended(monkeypatch):
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    model, loss_func, x, targets = _problem("attention-bottleneck", "mse")
+    _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
+    assert report.windowed
+    assert report.window_ends, "the attention mixes all positions: windows end there"
+    assert "windowed=True" in repr(report)
+    monkeypatch.setattr(_windows, "ENABLED", False)
+    _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
+    assert not report.windowed and not report.window_ends
+
+
+def test_small_maps_sweep_dense_columns():
+    """Below MIN_POSITIONS output positions the engine does not window (not worth it)."""
+    model, loss_func, x, targets = _problem("outpad-ae", "mse")  # 10 x 10 outputs
+    assert math.prod(x.shape[2:]) < _windows.MIN_POSITIONS
+    _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
+    assert not report.windowed

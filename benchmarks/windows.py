@@ -1,0 +1,173 @@
+"""Windowed columns against the dense path of the same commit (issue 19).
+
+``python -m benchmarks.windows [--only NAME ...] [--out DIR]``: for each problem, in one
+process at 1 thread, the same ``diag_ggn`` call (same budget) with the windowed path on
+and off (``ggnchunk._windows.ENABLED``), alternating, after one untimed call of each;
+the warm time is the smaller of two timed calls. Writes ``windows.json``,
+``windows.md`` and, with matplotlib, ``windows.png`` into ``--out``
+(default ``benchmarks/results/windows``). Run it alone on the machine: other work beside
+it moves the ratios several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROBLEMS = {
+    # name: (budget, title, issue 19's target for the speed-up or None)
+    "tutorial_conv_ae": ("160MiB", "tutorial conv AE 5×3×32×32", 8.0),
+    "conv_ae_28_outpad": ("64MiB", "conv AE 16×1×28×28, `output_padding` decoder", 4.0),
+    "conv_ae_28": ("64MiB", "conv AE 16×1×28×28, kernel-4 decoder", None),
+    "unet_32": ("300MiB", "U-Net 4×3×32×32, width 16", 2.0),
+    "unet_64": ("1GiB", "U-Net 2×3×64×64, width 16", 5.0),
+}
+
+
+def _measure(name: str, budget: str) -> dict:
+    """Time the windowed and the dense path on one problem (in this process)."""
+    import torch
+
+    import ggnchunk
+    from benchmarks.problems import build
+    from ggnchunk import _windows
+
+    torch.set_num_threads(1)
+    model, loss_func, x, targets = build(name)
+    times: dict[str, list[float]] = {"windowed": [], "dense": []}
+    info: dict[str, dict] = {}
+    diags = {}
+    for repeat in range(3):  # the first round is untimed (warm-up of both paths)
+        for method in ("windowed", "dense"):
+            _windows.ENABLED = method == "windowed"
+            start = time.perf_counter()
+            diag, report = ggnchunk.diag_ggn(
+                model, loss_func, x, targets, max_memory=budget, return_report=True
+            )
+            elapsed = time.perf_counter() - start
+            if repeat:
+                times[method].append(elapsed)
+            diags[method] = diag
+            info[method] = {
+                "passes": report.num_passes, "chunk_size": report.chunk_size,
+                "peak_MiB": (report.peak_extra_bytes or 0) / 2**20,
+                "windowed": report.windowed, "window_ends": report.window_ends,
+            }  # fmt: skip
+    _windows.ENABLED = True
+    gap = max(
+        float((diags["windowed"][k] - diags["dense"][k]).abs().max())
+        / max(float(diags["dense"][k].abs().max()), 1e-30)
+        for k in diags["dense"]
+    )
+    return {
+        "problem": name, "budget": budget,
+        "windowed_s": min(times["windowed"]), "dense_s": min(times["dense"]),
+        "speedup": min(times["dense"]) / min(times["windowed"]),
+        "relative_gap": gap, "info": info,
+    }  # fmt: skip
+
+
+def _table(rows: list[dict], environment: dict) -> str:
+    lines = [
+        "# Windowed columns against the dense path (issue 19)",
+        "",
+        f"`python -m benchmarks.windows`, {environment['when']}, 1 thread, "
+        f"{environment['machine']}, torch {environment['torch']}, commit "
+        f"{environment['commit']}. Warm calls, same budget, both paths of the same commit "
+        "in one process, alternating; float32 results of the two paths agree to the "
+        "relative gap shown.",
+        "",
+        "| problem | budget | dense | windowed | speed-up | target "
+        "| passes (windowed/dense) | windows ended at | gap |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for row in rows:
+        _, title, target = PROBLEMS[row["problem"]]
+        info = row["info"]
+        ends = "; ".join(info["windowed"]["window_ends"]) or "(stayed windowed)"
+        met = "" if target is None else (
+            f"≥ {target:g}× {'met' if row['speedup'] >= target else 'NOT met'}"
+        )  # fmt: skip
+        lines.append(
+            f"| {title} | {row['budget']} | {row['dense_s']:.2f} s | "
+            f"{row['windowed_s']:.2f} s | {row['speedup']:.2f}× | {met} | "
+            f"{info['windowed']['passes']}/{info['dense']['passes']} | {ends} | "
+            f"{row['relative_gap']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional
+        return
+    names = [r["problem"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [r["speedup"] for r in rows], color="tab:blue", label="measured")
+    targets = [PROBLEMS[n][2] for n in names]
+    ax.scatter(
+        [n for n, t in zip(names, targets, strict=True) if t],
+        [t for t in targets if t], color="tab:red", marker="_", s=600, label="target",
+    )  # fmt: skip
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("dense time / windowed time")
+    ax.set_title("Windowed columns: speed-up over the dense path (1 thread, warm)")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison; each problem in its own process (``--child``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="*", default=list(PROBLEMS))
+    parser.add_argument("--out", default="benchmarks/results/windows")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_measure(args.child, PROBLEMS[args.child][0])))
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    rows = []
+    for name in args.only:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.windows", "--child", name],
+            capture_output=True, text=True, env=env, check=True,
+        )  # fmt: skip
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"{name}: {rows[-1]['speedup']:.2f}x", flush=True)
+    import torch
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        check=False,
+    ).stdout.strip()  # fmt: skip
+    environment = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__, "commit": commit or "unknown",
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "windows.json").write_text(
+        json.dumps({"environment": environment, "rows": rows}, indent=1)
+    )
+    (out / "windows.md").write_text(_table(rows, environment))
+    _plot(rows, out / "windows.png")
+    print((out / "windows.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
