@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -321,6 +322,7 @@ class GGNComputation:
         self._recording = Recording(
             problem.units, problem.params, batch.size, quantity.every_product
         )
+        self._windows = windows.Choice()
         self._inplace: list[nn.Module] = []
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
@@ -504,8 +506,10 @@ class GGNComputation:
         """
         factor = self._require_factor()
         self.quantity.begin(factor, start, stop)
+        windowed = self._windows.use(self._windowed(factor))
+        clock = time.perf_counter()
         try:
-            if self._windowed(factor):  # one-hot columns on their output positions
+            if windowed:  # one-hot columns on their output positions
                 seed = factor.windowed_columns(start, stop)
                 self.windowed_passes += 1
             else:
@@ -514,6 +518,10 @@ class GGNComputation:
         except BaseException:
             self.quantity.abort()
             raise
+        if self._windows.deciding:
+            if self._output.device.type == "cuda":
+                torch.cuda.synchronize(self._output.device)
+            self._windows.took(windowed, (time.perf_counter() - clock) / (stop - start))
 
     windowed_passes = 0
     """Backward passes that carried their columns on boxes."""
@@ -521,7 +529,12 @@ class GGNComputation:
     @property
     def window_ends(self) -> dict[str, str]:
         """Where windowed columns became dense vectors, and why (for the report)."""
-        return self._recording.window_ends if self._recording is not None else {}
+        ends = dict(self._recording.window_ends) if self._recording is not None else {}
+        if self._windows.choice is False:
+            ends["every later pass"] = (
+                "the dense path was measured faster on this model's first passes"
+            )
+        return ends
 
     def _windowed(self, factor: SqrtHessianFactor) -> bool:
         """Whether this pass carries its columns on boxes (:mod:`ggnchunk._windows`)."""

@@ -50,6 +50,56 @@ MIN_POSITIONS = 256
 soon fill them, and windowing costs more than it saves (measured in issue 19's note)."""
 
 
+TRIAL = True
+"""Measure the first passes both ways and keep the faster path (off: always windows)."""
+
+
+class Choice:
+    """Whether a forward pass's sweeps carry windows: measured, not guessed.
+
+    Both paths are exact; which is faster depends on the model (how soon the boxes
+    fill the maps, how much glue there is). The first pass runs windowed, the second
+    dense, the third windowed again (the first pays one-time caches); the later passes
+    take the path with the smaller time per column of passes two and three.
+    """
+
+    def __init__(self) -> None:
+        self.choice: bool | None = None
+        self._times: list[tuple[bool, float]] = []
+        self.deciding = False
+
+    def use(self, possible: bool) -> bool:
+        """Whether the next pass is windowed.
+
+        Args:
+            possible: Windows are possible for the pass (one-hot image columns).
+
+        Returns:
+            The path of the next pass.
+        """
+        if not possible:
+            self.deciding = False
+            return False
+        if self.choice is not None or not TRIAL:
+            self.deciding = False
+            return self.choice is not False
+        self.deciding = True
+        return len(self._times) != 1
+
+    def took(self, windowed: bool, per_column: float) -> None:
+        """Record a trial pass's time per column.
+
+        Args:
+            windowed: Whether the pass was windowed.
+            per_column: Seconds per column.
+        """
+        self._times.append((windowed, per_column))
+        if len(self._times) == 3:
+            dense, windows = self._times[1][1], self._times[2][1]
+            self.choice = windows <= dense
+            self.deciding = False
+
+
 class Windowed:
     """Columns ``[V, N, C, *S]`` carried on one box per column, plus shared fields.
 

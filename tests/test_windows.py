@@ -221,6 +221,7 @@ def windows_everywhere(monkeypatch):
     """Windows on for every map size; counts the windowed seeds."""
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
     seen = []
     windowed = _engine.GGNComputation._windowed
 
@@ -366,3 +367,29 @@ def test_small_maps_sweep_dense_columns():
     assert math.prod(x.shape[2:]) < _windows.MIN_POSITIONS
     _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
     assert not report.windowed
+
+
+def test_choice_keeps_the_faster_path_after_three_trial_passes():
+    choice = _windows.Choice()
+    assert choice.use(True)  # first pass: windowed (pays the one-time caches)
+    choice.took(True, 9.0)
+    assert not choice.use(True)  # second: dense
+    choice.took(False, 0.5)
+    assert choice.use(True)  # third: windowed again, warm
+    choice.took(True, 0.6)
+    assert choice.choice is False
+    assert not choice.use(True) and not choice.deciding
+    assert not _windows.Choice().use(False)
+
+
+@pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "tutorial-ae"])
+def test_trial_passes_mix_paths_exactly(name, monkeypatch):
+    """Windowed and dense passes in one call add up to the exact diagonal."""
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    model, loss_func, x, targets = _problem(name, "mse")
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, num_chunks=6, return_report=True
+    )
+    assert report.windowed
+    assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
