@@ -446,6 +446,9 @@ class Recording:
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
             block = grads if isinstance(grads, Windowed) else None
+            split = None if block is None else self._split_channels(source, block)
+            if split is not None:  # torch.cat along channels: the boxes stay
+                return [(edge, split[edge_key(edge)]) for edge in source.frontier]
             if source.frontier:
                 # a block crosses as its windowed part made dense and its fields, and
                 # is windowed again from the values it reaches
@@ -500,6 +503,41 @@ class Recording:
             back = attach(back, self._backprop_dense(call, block.fields), block.coeffs)
         self._window_ended(call, [back])
         return back
+
+    def _split_channels(
+        self, source: _Source, block: Windowed
+    ) -> dict[EdgeKey, Any] | None:
+        """A block through glue that is one ``torch.cat`` of layer outputs along channels.
+
+        The cat's backward slices the channel axis, so each layer output gets its slice
+        of the block on the same boxes (fields sliced alike). ``None`` for any other glue
+        (it is crossed by autograd).
+        """
+        if source.params:
+            return None
+        target = source.target
+        node = target.grad_fn if isinstance(target, Tensor) else target.node
+        if node is None or node.name() != "CatBackward0":
+            return None
+        if node._saved_dim % (2 + len(block.size)) != 1:
+            return None
+        parts: dict[EdgeKey, Any] = {}
+        offset = 0
+        for edge in node.next_functions:
+            if edge[0] is None or edge_key(edge) not in self._out_keys:
+                return None  # a slice's size is known for layer outputs only
+            key = edge_key(edge)
+            width = self.calls[self._out_keys[key]].ctx.out_shape[1]
+            channels = slice(offset, offset + width)
+            offset += width
+            fields = None if block.fields is None else block.fields[:, :, channels]
+            part = Windowed(
+                block.data[:, :, channels], block.start, block.size, fields, block.coeffs
+            )  # fmt: skip
+            parts[key] = add_vectors(parts[key], part) if key in parts else part
+        if offset != block.data.shape[2]:
+            return None
+        return parts
 
     def _window_ended(self, where: Call | _Source, results: list[Any]) -> None:
         """Remember where a block became dense vectors (for the report)."""

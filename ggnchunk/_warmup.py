@@ -75,6 +75,19 @@ for _cls in DERIVATIVES:  # every activation with a rule
     ))(_cls)  # fmt: skip
 
 
+def _windows() -> tuple[nn.Module, tuple[int, ...]]:
+    # the windowed path's kernels (gathers, scatters, small batched products): an image
+    # output large enough to be windowed, three passes (windowed, dense, windowed)
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 3, padding=1), nn.Sigmoid(), nn.ConvTranspose2d(2, 2, 3, padding=1)
+    )
+    return model, (2, 2, 16, 16)
+
+
+_WINDOWED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+             nn.ConvTranspose3d)  # fmt: skip
+
+
 def _engine() -> tuple[nn.Module, tuple[int, ...]]:
     # the engine's own first use (autograd, the sweep's Python paths, matrix products)
     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), (3, 4)
@@ -88,7 +101,8 @@ def _run(build: Callable[[], tuple[nn.Module, tuple[int, ...]]], dtype, device) 
     x = torch.rand(shape, dtype=dtype, device=device)
     with torch.no_grad():
         y = model(x)
-    diag_ggn(model, nn.MSELoss(), x, torch.rand_like(y), num_chunks=2)
+    chunks = 3 if build is _windows else 2
+    diag_ggn(model, nn.MSELoss(), x, torch.rand_like(y), num_chunks=chunks)
 
 
 def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -104,8 +118,10 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     """
     if getattr(_ACTIVE, "on", False):
         return
-    kinds = {None}
+    kinds: set = {None}
     for module in model.modules():
+        if isinstance(module, _WINDOWED):
+            kinds.add("windows")
         for cls in type(module).__mro__:
             if cls in _KINDS:
                 kinds.add(cls)
@@ -117,16 +133,24 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     with _LOCK, torch.random.fork_rng(devices=devices):
         _ACTIVE.on = True
         try:
-            for kind in sorted(todo, key=lambda k: "" if k is None else k.__name__):
+            for kind in sorted(todo, key=_name):
                 if (kind, dtype, str(device)) in _WARMED:
                     continue
+                build = (
+                    _engine if kind is None else _windows if kind == "windows"
+                    else _KINDS[kind]
+                )  # fmt: skip
                 # a warm-up never fails a call (a dtype without kernels, say): the
                 # call itself says what is wrong
                 with contextlib.suppress(Exception):
-                    _run(_engine if kind is None else _KINDS[kind], dtype, device)
+                    _run(build, dtype, device)
                 _WARMED.add((kind, dtype, str(device)))
         finally:
             _ACTIVE.on = False
+
+
+def _name(kind: type | str | None) -> str:
+    return "" if kind is None else kind if isinstance(kind, str) else kind.__name__
 
 
 def ensure_batched_autograd() -> bool:
