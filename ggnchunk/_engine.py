@@ -471,7 +471,17 @@ class GGNComputation:
                 call.ctx.columns = self._columns
         # the quantity's accumulators are allocated before the first sweep (measured
         # with the forward pass) and the sweeps add to them in place
-        return self.quantity.fixed_bytes(self._recording, element)
+        fixed = self.quantity.fixed_bytes(self._recording, element)
+        if self._windowed(self._require_factor()):
+            # a windowed pass carries GroupNorm's fields, dense maps per sample that
+            # travel like extra columns: two per group of every GroupNorm at most
+            fields = sum(
+                2 * call.ctx.module.num_groups for call in self._recording.calls
+                if isinstance(call.ctx.module, nn.GroupNorm) and call.leaf is not None
+            )  # fmt: skip
+            if fields:
+                fixed += fields * self._recording.column_bytes(element)
+        return fixed
 
     def set_lean(self, lean: bool) -> None:
         """Keep no recomputable per-forward caches (for tight budgets), or keep them.

@@ -269,7 +269,10 @@ def mix(coeffs: Tensor, fields: Tensor) -> Tensor:
     """
     k, n = fields.shape[:2]
     flat = fields.reshape(k, n, -1)
-    out = torch.einsum("vnk,knf->vnf", coeffs, flat)
+    if n == 1:
+        out = (coeffs[:, 0] @ flat[:, 0]).unsqueeze(1)
+    else:  # one product per sample: [N, V, K] @ [N, K, F]
+        out = torch.matmul(coeffs.transpose(0, 1), flat.transpose(0, 1)).transpose(0, 1)
     return out.reshape(coeffs.shape[0], n, *fields.shape[2:])
 
 

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [
     ("tutorial_conv_ae", 64), ("tutorial_conv_ae", 200),  # one pass: about +1,550 MiB
     ("mlp_ae", 32), ("mlp_ae", 64),  # one pass: about +120 MiB
+    ("unet", 24),  # windowed passes with GroupNorm fields (16 x 16 outputs)
 ]  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +210,7 @@ class ConvRule(LayerRule):
 
     def diag_windowed(self, ctx, block):
         module = ctx.module
-        if ctx.lean and ctx.caches.patches is None:
+        if ctx.lean and ctx.caches.patches is None and module.padding_mode != "zeros":
             return None  # patches are made per sample there: the dense form
         out = {}
         data, start, box = block.data, block.start, block.box
@@ -219,7 +220,9 @@ class ConvRule(LayerRule):
         pb = math.prod(box)
         a = data.reshape(v, n, g, o, pb)
         fields = self._field_products(ctx, block)
-        if trainable(module, "weight"):
+        if trainable(module, "weight") and module.padding_mode == "zeros":
+            out["weight"] = self._weight_windowed(ctx, block, fields)
+        elif trainable(module, "weight"):  # padded with values: the unfolded patches
             patches = self._patches(ctx)  # [N, G, K, P]
             k = patches.shape[2]
             maps = patches.view(n, g * k, *ctx.out_shape[2:])
@@ -240,6 +243,49 @@ class ConvRule(LayerRule):
                 sums = sums + mix(block.coeffs, fields["bias"])
             out["bias"] = sums.square().sum((0, 1))
         return out
+
+    @staticmethod
+    def _weight_windowed(ctx: RuleContext, block: Windowed, fields: Any) -> Tensor:
+        """``sum_{v,n}`` of squared weight products, each column on its box.
+
+        One column's products are the weight gradient of a convolution of the input
+        region under its box with its vectors: all columns and samples at once as a
+        grouped convolution's weight gradient (one group per column and sample), no
+        unfolded patches.
+        """
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        kernel, stride, dilation = (
+            as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
+        )
+        left = [p[0] for p in explicit_padding(module, dims)]
+        data = block.data
+        v, n, c = data.shape[:3]
+        g, ci = module.groups, x.shape[1]
+        region = tuple(
+            (b - 1) * s + (k - 1) * d + 1
+            for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
+        )
+        start = block.start * torch.tensor(stride) - torch.tensor(left)
+        size = tuple(x.shape[2:])
+        weight = module.weight
+        per = n * (c * math.prod(block.box) + ci * math.prod(region) + weight.numel())
+        step = max(1, BLOCK // max(per, 1))
+        total = data.new_zeros(weight.shape)
+        for i in range(0, v, step):
+            grads = data[i : i + step]
+            count = grads.shape[0] * n
+            inputs = gather(x, start[i : i + step], region, size)  # zero-padded
+            prods = torch.ops.aten.convolution_backward(
+                grads.reshape(1, count * c, *block.box),
+                inputs.reshape(1, count * ci, *region),
+                weight.new_empty(1).expand(count * c, ci // g, *kernel), None, stride,
+                [0] * dims, dilation, False, [0] * dims, count * g, [False, True, False],
+            )[1].view(-1, n, *weight.shape)  # fmt: skip
+            if fields is not None:
+                prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
+            total += prods.square_().sum((0, 1))
+        return total
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x
