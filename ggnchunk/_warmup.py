@@ -76,11 +76,14 @@ for _cls in DERIVATIVES:  # every activation with a rule
 
 
 def _windows() -> tuple[nn.Module, tuple[int, ...]]:
-    # the windowed path's kernels (gathers, scatters, small batched products): an image
-    # output large enough to be windowed, three passes (windowed, dense, windowed)
+    # the windowed path's kernels (gathers, scatters, small batched products, pooling
+    # and upsampling on boxes): an output large enough to be windowed, three passes
+    # (windowed, dense, windowed). No glue: torch.func is set up only for calls that
+    # need it (a budgeted first call pays it outside its budget, see _api)
     model = nn.Sequential(
-        nn.Conv2d(2, 2, 3, padding=1), nn.Sigmoid(), nn.ConvTranspose2d(2, 2, 3, padding=1)
-    )
+        nn.Conv2d(2, 2, 3, padding=1), nn.AvgPool2d(2), nn.Conv2d(2, 2, 3, padding=1),
+        nn.Upsample(scale_factor=2), nn.Sigmoid(), nn.ConvTranspose2d(2, 2, 3, padding=1),
+    )  # fmt: skip
     return model, (2, 2, 16, 16)
 
 

