@@ -1,9 +1,10 @@
 """Windowed columns against the dense path of the same commit (issue 19).
 
-``python -m benchmarks.windows [--only NAME ...] [--out DIR]``: for each problem, in one
-process at 1 thread, the same ``diag_ggn`` call (same budget) with the windowed path on
-and off (``ggnchunk._windows.ENABLED``), alternating, after one untimed call of each;
-the warm time is the smaller of two timed calls. Writes ``windows.json``,
+``python -m benchmarks.windows [--only NAME ...] [--chunking budget fixed] [--out DIR]``:
+for each problem and chunking (the same budget, or the same fixed number of chunks), in
+one process at 1 thread, the same ``diag_ggn`` call with the windowed path on and off
+(``ggnchunk._windows.ENABLED``), alternating, one untimed call of each, then one timed
+(the 64×64 U-Net: one timed call each, first calls). Writes ``windows.json``,
 ``windows.md`` and, with matplotlib, ``windows.png`` into ``--out``
 (default ``benchmarks/results/windows``). Run it alone on the machine: other work beside
 it moves the ratios several-fold.
@@ -21,16 +22,17 @@ import time
 from pathlib import Path
 
 PROBLEMS = {
-    # name: (budget, title, issue 19's target for the speed-up or None)
-    "tutorial_conv_ae": ("160MiB", "tutorial conv AE 5×3×32×32", 8.0),
-    "conv_ae_28_outpad": ("64MiB", "conv AE 16×1×28×28, `output_padding` decoder", 4.0),
-    "conv_ae_28": ("64MiB", "conv AE 16×1×28×28, kernel-4 decoder", None),
-    "unet_32": ("300MiB", "U-Net 4×3×32×32, width 16", 2.0),
-    "unet_64": ("1GiB", "U-Net 2×3×64×64, width 16", 5.0),
+    # name: (budget, fixed chunks, title, issue 19's target for the speed-up or None)
+    "tutorial_conv_ae": ("160MiB", 1, "tutorial conv AE 5×3×32×32", 8.0),
+    "conv_ae_28_outpad": ("64MiB", 1, "conv AE 16×1×28×28, `output_padding` decoder", 4.0),
+    "conv_ae_28": ("64MiB", 1, "conv AE 16×1×28×28, kernel-4 decoder", None),
+    "unet_32": ("300MiB", 16, "U-Net 4×3×32×32, width 16", 2.0),
+    "unet_64": ("1GiB", 128, "U-Net 2×3×64×64, width 16", 5.0),
 }
+ROUNDS = {"unet_64": 1}  # timed calls per path (the others: one untimed, then one)
 
 
-def _measure(name: str, budget: str) -> dict:
+def _measure(name: str, chunking: str) -> dict:
     """Time the windowed and the dense path on one problem (in this process)."""
     import torch
 
@@ -39,19 +41,22 @@ def _measure(name: str, budget: str) -> dict:
     from ggnchunk import _windows
 
     torch.set_num_threads(1)
+    budget, chunks = PROBLEMS[name][:2]
+    params = {"max_memory": budget} if chunking == "budget" else {"num_chunks": chunks}
     model, loss_func, x, targets = build(name)
     times: dict[str, list[float]] = {"windowed": [], "dense": []}
     info: dict[str, dict] = {}
     diags = {}
-    for repeat in range(3):  # the first round is untimed (warm-up of both paths)
+    rounds = ROUNDS.get(name, 2)
+    for repeat in range(rounds):  # with two rounds the first is untimed (warm-up)
         for method in ("windowed", "dense"):
             _windows.ENABLED = method == "windowed"
             start = time.perf_counter()
             diag, report = ggnchunk.diag_ggn(
-                model, loss_func, x, targets, max_memory=budget, return_report=True
+                model, loss_func, x, targets, return_report=True, **params
             )
             elapsed = time.perf_counter() - start
-            if repeat:
+            if repeat or rounds == 1:
                 times[method].append(elapsed)
             diags[method] = diag
             info[method] = {
@@ -66,7 +71,8 @@ def _measure(name: str, budget: str) -> dict:
         for k in diags["dense"]
     )
     return {
-        "problem": name, "budget": budget,
+        "problem": name, "chunking": chunking, "params": params,
+        "warm": rounds > 1,
         "windowed_s": min(times["windowed"]), "dense_s": min(times["dense"]),
         "speedup": min(times["dense"]) / min(times["windowed"]),
         "relative_gap": gap, "info": info,
@@ -83,19 +89,22 @@ def _table(rows: list[dict], environment: dict) -> str:
         "in one process, alternating; float32 results of the two paths agree to the "
         "relative gap shown.",
         "",
-        "| problem | budget | dense | windowed | speed-up | target "
+        "| problem | chunking | dense | windowed | speed-up | target "
         "| passes (windowed/dense) | windows ended at | gap |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "|---|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for row in rows:
-        _, title, target = PROBLEMS[row["problem"]]
+        _, _, title, target = PROBLEMS[row["problem"]]
+        chunking = ", ".join(f"{k}={v}" for k, v in row["params"].items())
+        if not row["warm"]:
+            chunking += " (first calls)"
         info = row["info"]
         ends = "; ".join(info["windowed"]["window_ends"]) or "(stayed windowed)"
         met = "" if target is None else (
             f"≥ {target:g}× {'met' if row['speedup'] >= target else 'NOT met'}"
         )  # fmt: skip
         lines.append(
-            f"| {title} | {row['budget']} | {row['dense_s']:.2f} s | "
+            f"| {title} | {chunking} | {row['dense_s']:.2f} s | "
             f"{row['windowed_s']:.2f} s | {row['speedup']:.2f}× | {met} | "
             f"{info['windowed']['passes']}/{info['dense']['passes']} | {ends} | "
             f"{row['relative_gap']:.1e} |"
@@ -111,14 +120,23 @@ def _plot(rows: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - optional
         return
-    names = [r["problem"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(names, [r["speedup"] for r in rows], color="tab:blue", label="measured")
-    targets = [PROBLEMS[n][2] for n in names]
+    names = list(dict.fromkeys(r["problem"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.38
+    for shift, chunking, color in ((-width / 2, "budget", "tab:blue"),
+                                   (width / 2, "fixed", "tab:green")):  # fmt: skip
+        values = {r["problem"]: r["speedup"] for r in rows if r["chunking"] == chunking}
+        ax.bar(
+            [i + shift for i, n in enumerate(names) if n in values],
+            [values[n] for n in names if n in values], width, color=color,
+            label=f"same {'budget' if chunking == 'budget' else 'fixed chunks'}",
+        )  # fmt: skip
+    targets = [PROBLEMS[n][3] for n in names]
     ax.scatter(
-        [n for n, t in zip(names, targets, strict=True) if t],
-        [t for t in targets if t], color="tab:red", marker="_", s=600, label="target",
+        [i for i, t in enumerate(targets) if t], [t for t in targets if t],
+        color="tab:red", marker="_", s=900, label="target", zorder=3,
     )  # fmt: skip
+    ax.set_xticks(range(len(names)), names)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_ylabel("dense time / windowed time")
     ax.set_title("Windowed columns: speed-up over the dense path (1 thread, warm)")
@@ -134,20 +152,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=list(PROBLEMS))
     parser.add_argument("--out", default="benchmarks/results/windows")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--chunking", nargs="*", default=["budget", "fixed"])
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_measure(args.child, PROBLEMS[args.child][0])))
+        print(json.dumps(_measure(*args.child)))
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     rows = []
     for name in args.only:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.windows", "--child", name],
-            capture_output=True, text=True, env=env, check=True,
-        )  # fmt: skip
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"{name}: {rows[-1]['speedup']:.2f}x", flush=True)
+        for chunking in args.chunking:
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.windows", "--child", name, chunking],
+                capture_output=True, text=True, env=env, check=True,
+            )  # fmt: skip
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{name} {chunking}: {rows[-1]['speedup']:.2f}x", flush=True)
     import torch
 
     commit = subprocess.run(
