@@ -37,6 +37,7 @@ from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
 from ggnchunk._quantities import Gradient, Quantity, Sampling
 from ggnchunk._rules import LayerRule, rule_for
+from ggnchunk._scheduler import is_out_of_memory
 from ggnchunk._sqrt_hessians import (
     LossSqrtHessian,
     SqrtHessianFactor,
@@ -450,7 +451,24 @@ class GGNComputation:
             Bytes per column (square-root column and everything backpropagated).
         """
         element = self._output.element_size()
-        return self._recording.column_bytes(element) + self._require_factor().column_bytes()
+        factor = self._require_factor()
+        dense = self._recording.column_bytes(element) + factor.column_bytes()
+        if (
+            self._windowed(factor) and self._windows.choice is not False
+            and self._recording.windowed_bound_ready
+        ):  # fmt: skip
+            # a windowed pass costs its boxes (the seed: one position per column);
+            # dense passes then run the chunk in parts of the share that fits
+            positions = math.prod(self._output.shape[2:])
+            seed = 2 * -(-factor.column_bytes() // positions) + 64
+            windowed = self._recording.column_bytes(element, windowed=True) + seed
+            self._dense_share = min(1.0, windowed / max(dense, 1))
+            return min(dense, windowed)
+        return dense
+
+    _dense_share = 1.0
+    """A dense pass runs a chunk in parts of this share (the chunk was planned with the
+    windowed bound)."""
 
     def fixed_bytes(self, columns: int | None = None) -> int:
         """Upper bound on the bytes the sweeps keep whatever the chunk size.
@@ -515,9 +533,62 @@ class GGNComputation:
             stop: Last column (exclusive).
         """
         factor = self._require_factor()
-        self.quantity.begin(factor, start, stop)
-        windowed = self._windows.use(self._windowed(factor))
+        choice = self._windows
+        if not self._windowed(factor) or choice.choice is False:
+            self._dense(factor, start, stop)
+        elif not choice.trial_next or stop - start < 2:
+            choice.passes += 1
+            self._backward(factor, start, stop, True)
+        else:  # the trial: a dense part (what fits a dense pass), the rest windowed
+            part = max(1, min(int((stop - start) * self._dense_share), (stop - start) // 2))
+            dense = self._timed(self._part, factor, start, start + part, False) / part
+            rest = self._timed(self._part, factor, start + part, stop, True)
+            choice.decide(rest / (stop - start - part), dense)
+
+    def _dense(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+        """A dense pass, in parts where the chunk was planned with the windowed bound."""
+        part = max(1, int((stop - start) * self._dense_share))
+        if part >= stop - start:
+            self._backward(factor, start, stop, False)
+            return
+        for a in range(start, stop, part):
+            self._part(factor, a, min(stop, a + part), False)
+
+    def _timed(self, fn, *args) -> float:
         clock = time.perf_counter()
+        fn(*args)
+        if self._output.device.type == "cuda":
+            torch.cuda.synchronize(self._output.device)
+        return time.perf_counter() - clock
+
+    def _part(
+        self, factor: SqrtHessianFactor, start: int, stop: int, windowed: bool
+    ) -> None:
+        """One part of a chunk; out of memory, its halves (never the whole chunk).
+
+        The scheduler retries a failed chunk in halves, which is exact only for ranges
+        inside the one that failed: once parts of a chunk are added, a failure is
+        recovered here, inside the part, and is not passed on as out of memory.
+        """
+        try:
+            self._backward(factor, start, stop, windowed)
+        except BaseException as error:
+            if not is_out_of_memory(error):
+                raise
+            if stop - start == 1:
+                raise RuntimeError(
+                    "ggnchunk ran out of memory on a backward pass of one column "
+                    f"({error}). Raise max_memory, or use smaller batches "
+                    "(batch_chunk_size)."
+                ) from error
+            mid = (start + stop) // 2
+            self._part(factor, start, mid, windowed)
+            self._part(factor, mid, stop, windowed)
+
+    def _backward(
+        self, factor: SqrtHessianFactor, start: int, stop: int, windowed: bool
+    ) -> None:
+        self.quantity.begin(factor, start, stop)
         try:
             if windowed:  # one-hot columns on their output positions
                 seed = factor.windowed_columns(start, stop)
@@ -528,10 +599,6 @@ class GGNComputation:
         except BaseException:
             self.quantity.abort()
             raise
-        if self._windows.deciding:
-            if self._output.device.type == "cuda":
-                torch.cuda.synchronize(self._output.device)
-            self._windows.took(windowed, (time.perf_counter() - clock) / (stop - start))
 
     windowed_passes = 0
     """Backward passes that carried their columns on boxes."""

@@ -25,6 +25,7 @@ through the glue that uses it) that are added over its uses before squaring.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -151,6 +152,11 @@ class Recording:
         self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
         self._warned = False
         self.window_ends: dict[str, str] = {}  # where windowed columns became dense
+        # sizes (elements per column and sample) windowed sweeps had at each call's
+        # output and input, for the windowed memory bound; ("dense", i): a full map
+        self._seen: dict[tuple[str, int], int] = {}
+        self._by_values = False  # a block crossed glue and was windowed from values
+        self.windowed_sweeps = 0
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -345,7 +351,7 @@ class Recording:
         source.params = sorted(params)
 
     # -- memory model ----------------------------------------------------------------
-    def column_bytes(self, element: int) -> int:
+    def column_bytes(self, element: int, windowed: bool = False) -> int:
         """An upper bound on the bytes one square-root column costs during a sweep.
 
         Runs the sweep's own traversal (:meth:`_traverse`) on sizes instead of tensors:
@@ -354,8 +360,14 @@ class Recording:
         inside the glue (bounded by twice the vectors at the glue's ends) and per-sample
         products of shared parameters. The largest total, per column.
 
+        With ``windowed`` (after a windowed sweep, :attr:`windowed_bound_ready`), the
+        sizes at layer outputs and inputs are twice those the windowed sweeps had there
+        (the boxes' sizes; a margin for how boxes align), never more than the full
+        map's, and each rule's own bytes shrink with its output's share of the map.
+
         Args:
             element: Bytes per element of the computation's dtype.
+            windowed: Count the windowed sweeps' sizes.
 
         Returns:
             Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
@@ -363,6 +375,12 @@ class Recording:
         n = self._batch
         waiting = _Waiting()
         worst = 0
+        seen = self._seen if windowed else {}
+
+        def sized(where: str, call: Call, full: int) -> int:
+            if not windowed or ("dense", call.index) in seen:
+                return full
+            return min(full, 2 * seen.get((where, call.index), full))
 
         def settle(extra: int) -> None:
             nonlocal worst
@@ -370,6 +388,9 @@ class Recording:
 
         def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
             ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
+            if windowed and size < source.numel:  # a cat sliced on the boxes (a
+                # block meeting other glue leaves no windowed bound)
+                return [(c.out_edge, sized("out", c, c.out_numel)) for c in ends]
             added = sum(call.out_numel for call in ends)
             buffers = 2 * (size + added) + -(-source.workspace // n)
             if source.params:
@@ -379,13 +400,16 @@ class Recording:
 
         def layer(call: Call, size: int) -> int | None:
             rule = _rule_bytes(call, element)[0] // (element * n)
+            if windowed:
+                size = sized("out", call, call.out_numel)
+                rule = -(-rule * size // max(call.out_numel, 1))
             shared = sum(
                 self._params[i].numel() for i, _ in call.params if i in self.shared
             )
             settle(size + rule + shared)
             if call.leaf is None:
                 return None
-            inputs = call.ctx.x[0].numel()
+            inputs = sized("in", call, call.ctx.x[0].numel())
             settle(size + inputs)
             return inputs
 
@@ -457,6 +481,7 @@ class Recording:
                     results = quantity.through(source, vectors)
                 del vectors
                 if block is not None:
+                    self._by_values = True
                     results = [block.split(r) for r in results]
                     self._window_ended(source, results)
                 found = list(zip(source.frontier, results, strict=True))
@@ -465,11 +490,26 @@ class Recording:
                     quantity.glue(self, source, dense(grads))
             return found
 
+        windows = isinstance(seed, Windowed)
+        if windows:
+            self.windowed_sweeps += 1
+
         def layer(call: Call, grads: Tensor) -> Tensor | None:
+            if windows:
+                self._see("out", call.index, grads, call.out_numel)
+                if (
+                    isinstance(grads, Windowed)
+                    and call.params
+                    and (call.ctx.shared or not type(call.rule).has_diag_windowed())
+                ):
+                    self._seen["dense", call.index] = 1  # products of a dense copy
             quantity.layer(self, call, grads)
             if call.leaf is None:
                 return None
-            return quantity.backprop(self, call, grads)
+            back = quantity.backprop(self, call, grads)
+            if windows:
+                self._see("in", call.index, back, call.ctx.x[0].numel())
+            return back
 
         self._traverse(seed, layer, glue, visit)
         self._warn_fallbacks()
@@ -498,6 +538,8 @@ class Recording:
         part = block.windowed_part()
         back = call.rule.backprop_windowed(call.ctx, part)
         if back is None:
+            self._seen["dense", call.index] = 1  # mapped as a dense copy
+            self._by_values = True
             back = block.split(self._backprop_dense(call, block.stacked()))
         elif block.fields is not None:
             back = attach(back, self._backprop_dense(call, block.fields), block.coeffs)
@@ -538,6 +580,27 @@ class Recording:
         if offset != block.data.shape[2]:
             return None
         return parts
+
+    def _see(self, where: str, index: int, value: Any, full: int) -> None:
+        """Remember the largest size per column and sample a windowed sweep had."""
+        if value is None:
+            return
+        if isinstance(value, Windowed):
+            size = value.data.shape[2] * math.prod(value.box)
+        else:
+            size = full
+        key = (where, index)
+        self._seen[key] = max(self._seen.get(key, 0), size)
+
+    @property
+    def windowed_bound_ready(self) -> bool:
+        """Whether :meth:`column_bytes` can count windowed sizes.
+
+        After a windowed sweep whose boxes all came from the layers' geometry (box sizes
+        the same for every column): boxes read from values after glue can be smaller for
+        the first columns (at the map's border) than for later ones.
+        """
+        return self.windowed_sweeps > 0 and not self._by_values
 
     def _window_ended(self, where: Call | _Source, results: list[Any]) -> None:
         """Remember where a block became dense vectors (for the report)."""

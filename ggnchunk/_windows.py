@@ -57,47 +57,34 @@ TRIAL = True
 class Choice:
     """Whether a forward pass's sweeps carry windows: measured, not guessed.
 
-    Both paths are exact; which is faster depends on the model (how soon the boxes
-    fill the maps, how much glue there is). The first pass runs windowed, the second
-    dense, the third windowed again (the first pays one-time caches); the later passes
-    take the path with the smaller time per column of passes two and three.
+    Both paths are exact; which is faster depends on the model (how soon the boxes fill
+    the maps, how much glue there is). The first pass runs windowed (it pays the
+    one-time caches); the second is the trial: a part of it (what a dense pass may hold
+    under the budget, at most half) runs dense, the rest windowed, and the path with the
+    smaller time per column takes every later pass.
+
+    Attributes:
+        choice: ``True`` (windows), ``False`` (dense) or ``None`` (not decided yet).
+        passes: Windowed passes before the trial.
     """
 
     def __init__(self) -> None:
         self.choice: bool | None = None
-        self._times: list[tuple[bool, float]] = []
-        self.deciding = False
+        self.passes = 0
 
-    def use(self, possible: bool) -> bool:
-        """Whether the next pass is windowed.
+    @property
+    def trial_next(self) -> bool:
+        """Whether the next pass (of two columns or more) is the trial."""
+        return TRIAL and self.choice is None and self.passes > 0
 
-        Args:
-            possible: Windows are possible for the pass (one-hot image columns).
-
-        Returns:
-            The path of the next pass.
-        """
-        if not possible:
-            self.deciding = False
-            return False
-        if self.choice is not None or not TRIAL:
-            self.deciding = False
-            return self.choice is not False
-        self.deciding = True
-        return len(self._times) != 1
-
-    def took(self, windowed: bool, per_column: float) -> None:
-        """Record a trial pass's time per column.
+    def decide(self, windowed: float, dense: float) -> None:
+        """Keep the path with the smaller time per column.
 
         Args:
-            windowed: Whether the pass was windowed.
-            per_column: Seconds per column.
+            windowed: Seconds per column of the trial's windowed part.
+            dense: Seconds per column of its dense part.
         """
-        self._times.append((windowed, per_column))
-        if len(self._times) == 3:
-            dense, windows = self._times[1][1], self._times[2][1]
-            self.choice = windows <= dense
-            self.deciding = False
+        self.choice = windowed <= dense
 
 
 class Windowed:

@@ -369,17 +369,16 @@ def test_small_maps_sweep_dense_columns():
     assert not report.windowed
 
 
-def test_choice_keeps_the_faster_path_after_three_trial_passes():
+def test_choice_keeps_the_faster_path_of_the_trial(monkeypatch):
+    monkeypatch.setattr(_windows, "TRIAL", True)
     choice = _windows.Choice()
-    assert choice.use(True)  # first pass: windowed (pays the one-time caches)
-    choice.took(True, 9.0)
-    assert not choice.use(True)  # second: dense
-    choice.took(False, 0.5)
-    assert choice.use(True)  # third: windowed again, warm
-    choice.took(True, 0.6)
-    assert choice.choice is False
-    assert not choice.use(True) and not choice.deciding
-    assert not _windows.Choice().use(False)
+    assert not choice.trial_next  # the first pass is windowed, untimed
+    choice.passes += 1
+    assert choice.trial_next
+    choice.decide(windowed=0.6, dense=0.5)
+    assert choice.choice is False and not choice.trial_next
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    assert not _windows.Choice().trial_next
 
 
 @pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "tutorial-ae"])
@@ -393,3 +392,61 @@ def test_trial_passes_mix_paths_exactly(name, monkeypatch):
     )
     assert report.windowed
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
+
+
+@pytest.mark.parametrize("faster", ["dense", "windowed"])
+def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
+    """Chunks planned with the windowed bound; dense passes run them in parts.
+
+    When the trial finds the dense path faster, the later chunks (sized for windows)
+    run dense in parts that fit the budget: every column once, exact.
+    """
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    monkeypatch.setattr(
+        _windows.Choice, "decide",
+        lambda self, windowed, dense: setattr(self, "choice", faster == "windowed"),
+    )  # fmt: skip
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="256MiB")  # warm-up first
+    parts = []
+    dense_backward = _engine.GGNComputation._backward
+
+    def spy(self, factor, start, stop, windowed):
+        parts.append((stop - start, windowed))
+        return dense_backward(self, factor, start, stop, windowed)
+
+    monkeypatch.setattr(_engine.GGNComputation, "_backward", spy)
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="256MiB")
+    assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9, label=faster)
+    assert sum(size for size, _ in parts) == _columns("tutorial-ae")
+    assert any(w for _, w in parts) and any(not w for _, w in parts)
+
+
+@pytest.mark.filterwarnings("ignore:ggnchunk. a chunk of")
+def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
+    """A part that runs out of memory is retried in halves inside its chunk.
+
+    Parts already added are never added again (the scheduler would retry the whole
+    chunk).
+    """
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    backward = _engine.GGNComputation._backward
+    failed, dense = [], []
+
+    def flaky(self, factor, start, stop, windowed):
+        dense.extend([] if windowed else [(start, stop)])
+        if windowed and dense and stop - start > 1 and not failed:
+            # the trial's windowed rest, after its dense part was added
+            failed.append((start, stop))
+            self.quantity.begin(factor, start, stop)
+            self.quantity.abort()
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return backward(self, factor, start, stop, windowed)
+
+    monkeypatch.setattr(_engine.GGNComputation, "_backward", flaky)
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=3)
+    assert failed, "the trial's windowed part did not run after its dense part"
+    assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)

@@ -220,6 +220,11 @@ class LayerRule(ABC):
     sets it implements :meth:`backprop_windowed` and, if it has parameters,
     :meth:`diag_windowed` (each may still return ``None`` for a call it cannot do)."""
 
+    @classmethod
+    def has_diag_windowed(cls) -> bool:
+        """Whether the rule overrides :meth:`diag_windowed`."""
+        return cls.diag_windowed is not LayerRule.diag_windowed
+
     def diag_windowed(self, ctx: RuleContext, block: Any) -> dict[str, Tensor] | None:
         """:meth:`diag` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
 
