@@ -539,8 +539,10 @@ class GGNComputation:
         elif not choice.trial_next or stop - start < 2:
             choice.passes += 1
             self._backward(factor, start, stop, True)
-        else:  # the trial: a dense part (what fits a dense pass), the rest windowed
-            part = max(1, min(int((stop - start) * self._dense_share), (stop - start) // 2))
+        else:  # the trial: a dense part (a tenth at most), the rest windowed
+            part = max(
+                1, min(int((stop - start) * self._dense_share), (stop - start) // 10)
+            )
             dense = self._timed(self._part, factor, start, start + part, False) / part
             rest = self._timed(self._part, factor, start + part, stop, True)
             choice.decide(rest / (stop - start - part), dense)

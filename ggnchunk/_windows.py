@@ -60,8 +60,8 @@ class Choice:
     Both paths are exact; which is faster depends on the model (how soon the boxes fill
     the maps, how much glue there is). The first pass runs windowed (it pays the
     one-time caches); the second is the trial: a part of it (what a dense pass may hold
-    under the budget, at most half) runs dense, the rest windowed, and the path with the
-    smaller time per column takes every later pass.
+    under the budget, a tenth at most) runs dense, the rest windowed, and the path with
+    the smaller time per column takes every later pass.
 
     Attributes:
         choice: ``True`` (windows), ``False`` (dense) or ``None`` (not decided yet).
