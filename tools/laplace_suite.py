@@ -3,7 +3,7 @@
 laplace-torch's tests live in its repository, not in the wheel, so this script needs a
 copy of the repository (``git clone https://github.com/aleximmer/Laplace``; a bare
 mirror works too). It is not part of CI (no network there); CI runs the rewritten
-checks in ``tests/test_laplace_suite.py`` instead.
+checks in ``tests/integrations/test_laplace_suite.py`` instead.
 
 What it does:
 

@@ -14,7 +14,7 @@ import pytest
 import ggnchunk
 from tools.sync_readme import PAGE, render
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 

@@ -22,7 +22,7 @@ from torch import nn
 import ggnchunk
 from ggnchunk import ChunkScheduler, OutOfMemoryRecoveryWarning
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 TOTALS = range(1, 21)
 

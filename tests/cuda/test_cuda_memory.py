@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 # benchmark problems at GPU batch sizes: (name, scale, budget as a share of one pass)
 BUDGETED = [
@@ -124,7 +124,7 @@ def first_call_worker(name: str, scale: int, budget: int) -> None:
 
 def _first_call(name: str, scale: int, budget: int) -> dict:
     code = (
-        "from tests.test_cuda_memory import first_call_worker; "
+        "from tests.cuda.test_cuda_memory import first_call_worker; "
         f"first_call_worker({name!r}, {scale}, {budget})"
     )
     done = subprocess.run(

@@ -1,6 +1,6 @@
 """Run one budgeted call in this (fresh) process and print its peak RSS growth as JSON.
 
-``python -m tests._budget_worker PROBLEM BUDGET SCENARIO``: ``SCENARIO`` is ``first``
+``python -m tests.budget._budget_worker PROBLEM BUDGET SCENARIO``: ``SCENARIO`` is ``first``
 (the first call in the process), ``warm`` (after a small call), ``after_large`` (after
 an earlier one-pass call, as a notebook's previous cell) or ``twice`` (the first two
 calls, printed as a list, with the code each paged in). The peak is the kernel's own

@@ -13,7 +13,7 @@ import torch
 
 from ggnchunk import ChunkScheduler, MemoryBudgetWarning, OutOfMemoryRecoveryWarning
 from ggnchunk._scheduler import _SAFETY
-from tests.test_scheduler import SimulatedMemory
+from tests.budget.test_scheduler import SimulatedMemory
 
 MiB = 2**20
 

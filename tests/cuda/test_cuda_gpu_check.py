@@ -18,7 +18,7 @@ import pytest
 
 from tools import gpu_check
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
@@ -48,7 +48,7 @@ def test_cuda_tests_are_collected_under_the_marker():
     files = {line.split("::")[0] for line in collected}
     for name in ("test_cuda.py", "test_cuda_memory.py", "test_cuda_models.py",
                  "test_cuda_tf32.py"):  # fmt: skip
-        assert f"tests/{name}" in files, sorted(files)
+        assert f"tests/cuda/{name}" in files, sorted(files)
     assert all(Path(f).name.startswith("test_cuda") for f in files), sorted(files)
 
 
@@ -161,7 +161,7 @@ def test_report_holds_the_device_the_outcomes_and_every_figure(tmp_path):
     ]  # fmt: skip
     tests = gpu_check.TestOutcome(
         counts={"passed": 40, "failed": 1, "errors": 0, "skipped": 2},
-        failures=[{"test": "tests.test_cuda_memory::test_x", "message": "peak 5 > 4"}],
+        failures=[{"test": "tests.cuda.test_cuda_memory::test_x", "message": "peak 5 > 4"}],
     )
     md, js = gpu_check.write_report(tmp_path / "report", env, parts, tests, rows, bench_env)
     text = md.read_text()

@@ -1,6 +1,6 @@
 """Real peak memory under a budget, measured the way users meet it.
 
-Each case runs in a fresh process (``tests/_budget_worker.py``) in the default
+Each case runs in a fresh process (``tests/budget/_budget_worker.py``) in the default
 environment (every ``MALLOC_*`` variable removed), in three scenarios: the first call in
 the process, after a small warm-up call, and after an earlier one-pass call (a
 notebook's previous cell, which leaves freed memory for the allocator to reuse). The peak
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     ("tutorial_conv_ae", 64), ("tutorial_conv_ae", 200),  # one pass: about +1,550 MiB
     ("mlp_ae", 32), ("mlp_ae", 64),  # one pass: about +120 MiB
@@ -29,7 +29,7 @@ CASES = [
 def _run(problem: str, budget_mib: int, scenario: str) -> dict | list:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "tests._budget_worker", problem,
+        [sys.executable, "-W", "ignore", "-m", "tests.budget._budget_worker", problem,
          f"{budget_mib}MiB", scenario],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ggnchunk
-from tests._distributed_worker import _variance, data, model_for, worker
+from tests.integrations._distributed_worker import _variance, data, model_for, worker
 from tests.reference import assert_diag_close
 
 pytestmark = pytest.mark.skipif(

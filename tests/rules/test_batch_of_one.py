@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ggnchunk
+from tests.exactness.test_dataflow import _build as _build_dataflow
 from tests.real_models import BY_ID, CASES
 from tests.reference import assert_diag_close, reference_diag_ggn, split_inputs
-from tests.test_dataflow import _build as _build_dataflow
-from tests.test_rules import LAYERS, _Front, _randomize
+from tests.rules.test_rules import LAYERS, _Front, _randomize
 
 
 class PositionsAndClassToken(nn.Module):

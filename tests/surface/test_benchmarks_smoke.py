@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmarks_help():

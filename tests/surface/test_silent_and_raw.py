@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import ggnchunk
+from tests.quantities.test_losses_and_per_sample import LOSSES
 from tests.reference import assert_diag_close, reference_diag_ggn
-from tests.test_losses_and_per_sample import LOSSES
 
 
 def _model(outputs: int = 4) -> nn.Module:

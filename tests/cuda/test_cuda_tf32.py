@@ -174,7 +174,7 @@ def test_legacy_flags_where_torch_has_no_per_backend_settings():
         "print(repr([inside[0], state()]))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

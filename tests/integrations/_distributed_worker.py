@@ -1,4 +1,4 @@
-"""Worker of tests/test_distributed.py: one rank of a 2-process gloo group on the CPU."""
+"""Worker of tests/integrations/test_distributed.py: one rank of a 2-process gloo group."""
 
 from __future__ import annotations
 
