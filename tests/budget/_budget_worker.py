@@ -33,16 +33,7 @@ def main() -> None:
         ggnchunk.diag_ggn(model, loss_func, x[:2], y[:2], num_chunks=2)
     elif scenario == "after_large":
         ggnchunk.diag_ggn(model, loss_func, x, y)
-    code = status_bytes("RssFile")
-    measured = high_water_mark_mib(
-        lambda: ggnchunk.diag_ggn(
-            model, loss_func, x, y, max_memory=budget, return_report=True
-        )
-    )
-    if measured is None or code is None:
-        raise RuntimeError("the budget tests need Linux's /proc/self/clear_refs")
-    peak_mib, (diag, report) = measured
-    code_mib = (status_bytes("RssFile") - code) / 2**20
+    record, diag = _measured(model, loss_func, x, y, budget)
     reference = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=7)
     error = max(
         float(
@@ -50,13 +41,10 @@ def main() -> None:
         )
         for k in diag
     )
-    print(json.dumps({
-        "peak_mib": peak_mib, "code_mib": code_mib, "passes": report.num_passes,
-        "chunk_size": report.chunk_size, "error": error,
-    }))  # fmt: skip
+    print(json.dumps({**record, "error": error}))
 
 
-def _call(model, loss_func, x, y, budget: str) -> dict:
+def _measured(model, loss_func, x, y, budget: str) -> tuple[dict, dict]:
     """One budgeted call: its peak, the code it paged in (``RssFile``), its plan."""
     code = status_bytes("RssFile")
     measured = high_water_mark_mib(
@@ -66,11 +54,17 @@ def _call(model, loss_func, x, y, budget: str) -> dict:
     )
     if measured is None or code is None:
         raise RuntimeError("the budget tests need Linux's /proc/self/clear_refs")
-    peak_mib, (_, report) = measured
-    return {
+    peak_mib, (diag, report) = measured
+    record = {
         "peak_mib": peak_mib, "code_mib": (status_bytes("RssFile") - code) / 2**20,
         "passes": report.num_passes, "chunk_size": report.chunk_size,
     }  # fmt: skip
+    return record, diag
+
+
+def _call(model, loss_func, x, y, budget: str) -> dict:
+    """One budgeted call's record (see :func:`_measured`)."""
+    return _measured(model, loss_func, x, y, budget)[0]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import ggnchunk
 from tests.exactness.test_dataflow import _build as _build_dataflow
 from tests.real_models import BY_ID, CASES
 from tests.reference import assert_diag_close, reference_diag_ggn, split_inputs
-from tests.rules.test_rules import LAYERS, _Front, _randomize
+from tests.rules.test_rules import LAYERS, rule_problem
 
 
 class PositionsAndClassToken(nn.Module):
@@ -78,15 +78,7 @@ def test_issue_case_dataset_with_a_last_batch_of_one(reduction):
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_rule_table_glue_parameter_batch_of_one(name, shared):
     """``_Front``'s ``scale`` is a glue parameter; ``shared`` adds per-sample products."""
-    torch.manual_seed(0)
-    build, shape = LAYERS[name]
-    layer = build().double().eval()
-    with torch.no_grad():
-        _randomize(layer)
-    model = _Front(layer, shape, shared).double().eval()
-    x = torch.randn(3, *shape, dtype=torch.float64)
-    with torch.no_grad():
-        y = torch.randn_like(model(x))
+    model, x, y = rule_problem(name, shared)
     loss_func = nn.MSELoss(reduction="sum")
     _check(model, loss_func, x[:1], y[:1], f"{name} N=1")
     _check(model, loss_func, x, y, f"{name} batch_chunk_size=2", batch_chunk_size=2)

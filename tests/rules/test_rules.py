@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import ggnchunk
 from ggnchunk._rules.base import Caches
@@ -122,14 +122,16 @@ def _randomize(layer: nn.Module) -> None:
         param.data.normal_()
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["cached", "lean"])
-@pytest.mark.parametrize("shared", [False, True], ids=["single", "shared"])
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_rule_is_exact(name, shared, lean, monkeypatch):
-    if lean:  # a tight budget's passes: no per-forward caches
-        from tests.lean import force_lean
+def rule_problem(name: str, shared: bool) -> tuple[nn.Module, Tensor, Tensor]:
+    """The table's layer ``name`` behind :class:`_Front` (float64), its inputs, targets.
 
-        force_lean(monkeypatch)
+    Args:
+        name: A key of :data:`LAYERS`.
+        shared: Whether the front's parameter is also used by the layer's input path.
+
+    Returns:
+        ``(model, x [3, *shape], y)``, built from a fixed seed.
+    """
     torch.manual_seed(0)
     build, shape = LAYERS[name]
     layer = build().double().eval()
@@ -138,8 +140,19 @@ def test_rule_is_exact(name, shared, lean, monkeypatch):
     model = _Front(layer, shape, shared).double().eval()
     x = torch.randn(3, *shape, dtype=torch.float64)
     with torch.no_grad():
-        out = model(x)
-    y = torch.randn_like(out)
+        y = torch.randn_like(model(x))
+    return model, x, y
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["cached", "lean"])
+@pytest.mark.parametrize("shared", [False, True], ids=["single", "shared"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rule_is_exact(name, shared, lean, monkeypatch):
+    if lean:  # a tight budget's passes: no per-forward caches
+        from tests.lean import force_lean
+
+        force_lean(monkeypatch)
+    model, x, y = rule_problem(name, shared)
     loss_func = nn.MSELoss(reduction="sum")
     expected = reference_diag_ggn(model, loss_func, x, y)
     for kwargs in ({}, {"num_chunks": 3}, {"chunk_size": 1}):
