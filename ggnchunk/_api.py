@@ -335,8 +335,8 @@ def _plan_for_budget(
     Two choices, both by the passes budget mode would plan (:func:`passes_within`):
 
     - The chunk size the contraction forms are planned for. The bound made for all
-      columns keeps the Gram form's factors of every layer where that form wins for a
-      chunk of all columns; under a budget that only fits small chunks those factors
+      columns keeps the Gram form's matrices of every layer where that form wins for a
+      chunk of all columns; under a budget that only fits small chunks those matrices
       would never be used, and reserving them makes the chunks smaller still. Plan for
       the size the budget gives without them where that needs fewer passes.
     - Lean (no per-forward caches) where that at least halves the passes, or where one
@@ -471,11 +471,11 @@ def _compute(
         run.close()
         if run.loss is not None:
             # the sub-batch's loss is its own mean: back to the sum, then to the scale
-            factor = scale * (
+            weight = scale * (
                 float(problem.handler.normalizer(problem.loss_func, sub_targets))
                 if mean else 1
             )  # fmt: skip
-            loss += factor * run.loss
+            loss += weight * run.loss
         if merged is None:
             merged = quantity  # no second parameter-sized buffer for one sub-batch
         else:
@@ -483,7 +483,7 @@ def _compute(
         if with_gradient:
             for acc, grad in zip(gradient, grads, strict=True):
                 if grad is not None:
-                    acc.add_(grad, alpha=factor)
+                    acc.add_(grad, alpha=weight)
         del run, quantity
     if bar is not None:
         bar.close()

@@ -327,7 +327,7 @@ class GGNComputation:
         self._inplace: list[nn.Module] = []
         self._output: Tensor | None = None
         self._loss: Tensor | None = None
-        self._factor: SqrtHessianFactor | None = None
+        self._sqrt: SqrtHessianFactor | None = None
         self._columns: int | None = None  # the chunk size the bounds are made for
         self.loss: Tensor | None = None
 
@@ -359,7 +359,7 @@ class GGNComputation:
         """Free the graph and everything recorded (the diagonal stays)."""
         self._recording.calls.clear()
         self._recording = None  # type: ignore[assignment]
-        self._output = self._loss = self._factor = None
+        self._output = self._loss = self._sqrt = None
 
     # -- the passes -----------------------------------------------------------------------
     def forward(self) -> Tensor:
@@ -407,10 +407,10 @@ class GGNComputation:
         self.quantity.start(self._recording)
         self.loss = self._loss.detach() if self._loss is not None else None
         self._output = output
-        factor = self.quantity.factorize(output.detach(), self._targets, self._scale)
+        sqrt = self.quantity.factorize(output.detach(), self._targets, self._scale)
         if self._sampling is not None:
-            factor = self._sampling.draw(factor)
-        self._factor = factor
+            sqrt = self._sampling.draw(sqrt)
+        self._sqrt = sqrt
         return output
 
     def _loss_of(self, output: Tensor) -> Tensor:
@@ -442,7 +442,7 @@ class GGNComputation:
     @property
     def num_columns(self) -> int:
         """Number of columns ``V`` of the loss Hessian's square root (after forward)."""
-        return self._require_factor().num_columns
+        return self._require_sqrt().num_columns
 
     def column_bytes(self) -> int:
         """Upper bound on the bytes one column adds during a backward sweep.
@@ -451,16 +451,16 @@ class GGNComputation:
             Bytes per column (square-root column and everything backpropagated).
         """
         element = self._output.element_size()
-        factor = self._require_factor()
-        dense = self._recording.column_bytes(element) + factor.column_bytes()
+        sqrt = self._require_sqrt()
+        dense = self._recording.column_bytes(element) + sqrt.column_bytes()
         if (
-            self._windowed(factor) and self._windows.choice is not False
+            self._windowed(sqrt) and self._windows.choice is not False
             and self._recording.windowed_bound_ready
         ):  # fmt: skip
             # a windowed pass costs its boxes (the seed: one position per column);
             # dense passes then run the chunk in parts of the share that fits
             positions = math.prod(self._output.shape[2:])
-            seed = 2 * -(-factor.column_bytes() // positions) + 64
+            seed = 2 * -(-sqrt.column_bytes() // positions) + 64
             windowed = self._recording.column_bytes(element, windowed=True) + seed
             self._dense_share = min(1.0, windowed / max(dense, 1))
             return min(dense, windowed)
@@ -476,7 +476,7 @@ class GGNComputation:
         Args:
             columns: The chunk size to plan the contraction forms for (default: the
                 last one given, at first all columns). A layer keeps the Gram form's
-                factors only where that form wins at this size; larger chunks then
+                matrices only where that form wins at this size; larger chunks then
                 choose as this size would, so the bound holds for every chunk size.
 
         Returns:
@@ -485,12 +485,12 @@ class GGNComputation:
         element = self._output.element_size()
         if columns is not None or self._columns is None:
             self._columns = min(columns or self.num_columns, self.num_columns)
-            for call in self._recording.calls:  # the Gram form's factors depend on it
+            for call in self._recording.calls:  # the Gram form's matrices depend on it
                 call.ctx.columns = self._columns
         # the quantity's accumulators are allocated before the first sweep (measured
         # with the forward pass) and the sweeps add to them in place
         fixed = self.quantity.fixed_bytes(self._recording, element)
-        if self._windowed(self._require_factor()):
+        if self._windowed(self._require_sqrt()):
             # a windowed pass carries GroupNorm's fields, dense maps per sample that
             # travel like extra columns: two per group of every GroupNorm at most
             fields = sum(
@@ -516,10 +516,10 @@ class GGNComputation:
             if lean:
                 call.ctx.caches.drop_for_lean()
 
-    def _require_factor(self) -> SqrtHessianFactor:
-        if self._factor is None:
+    def _require_sqrt(self) -> SqrtHessianFactor:
+        if self._sqrt is None:
             raise RuntimeError("call forward() first")
-        return self._factor
+        return self._sqrt
 
     def backward(self, start: int, stop: int) -> None:
         """Add columns ``start:stop`` to the quantity.
@@ -532,29 +532,29 @@ class GGNComputation:
             start: First column (inclusive).
             stop: Last column (exclusive).
         """
-        factor = self._require_factor()
+        sqrt = self._require_sqrt()
         choice = self._windows
-        if not self._windowed(factor) or choice.choice is False:
-            self._dense(factor, start, stop)
+        if not self._windowed(sqrt) or choice.choice is False:
+            self._dense(sqrt, start, stop)
         elif not choice.trial_next or stop - start < 2:
             choice.passes += 1
-            self._backward(factor, start, stop, True)
+            self._backward(sqrt, start, stop, True)
         else:  # the trial: a dense part (a tenth at most), the rest windowed
             part = max(
                 1, min(int((stop - start) * self._dense_share), (stop - start) // 10)
             )
-            dense = self._timed(self._part, factor, start, start + part, False) / part
-            rest = self._timed(self._part, factor, start + part, stop, True)
+            dense = self._timed(self._part, sqrt, start, start + part, False) / part
+            rest = self._timed(self._part, sqrt, start + part, stop, True)
             choice.decide(rest / (stop - start - part), dense)
 
-    def _dense(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+    def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""
         part = max(1, int((stop - start) * self._dense_share))
         if part >= stop - start:
-            self._backward(factor, start, stop, False)
+            self._backward(sqrt, start, stop, False)
             return
         for a in range(start, stop, part):
-            self._part(factor, a, min(stop, a + part), False)
+            self._part(sqrt, a, min(stop, a + part), False)
 
     def _timed(self, fn, *args) -> float:
         clock = time.perf_counter()
@@ -563,9 +563,7 @@ class GGNComputation:
             torch.cuda.synchronize(self._output.device)
         return time.perf_counter() - clock
 
-    def _part(
-        self, factor: SqrtHessianFactor, start: int, stop: int, windowed: bool
-    ) -> None:
+    def _part(self, sqrt: SqrtHessianFactor, start: int, stop: int, windowed: bool) -> None:
         """One part of a chunk; out of memory, its halves (never the whole chunk).
 
         The scheduler retries a failed chunk in halves, which is exact only for ranges
@@ -573,7 +571,7 @@ class GGNComputation:
         recovered here, inside the part, and is not passed on as out of memory.
         """
         try:
-            self._backward(factor, start, stop, windowed)
+            self._backward(sqrt, start, stop, windowed)
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise
@@ -584,19 +582,19 @@ class GGNComputation:
                     "(batch_chunk_size)."
                 ) from error
             mid = (start + stop) // 2
-            self._part(factor, start, mid, windowed)
-            self._part(factor, mid, stop, windowed)
+            self._part(sqrt, start, mid, windowed)
+            self._part(sqrt, mid, stop, windowed)
 
     def _backward(
-        self, factor: SqrtHessianFactor, start: int, stop: int, windowed: bool
+        self, sqrt: SqrtHessianFactor, start: int, stop: int, windowed: bool
     ) -> None:
-        self.quantity.begin(factor, start, stop)
+        self.quantity.begin(sqrt, start, stop)
         try:
             if windowed:  # one-hot columns on their output positions
-                seed = factor.windowed_columns(start, stop)
+                seed = sqrt.windowed_columns(start, stop)
                 self.windowed_passes += 1
             else:
-                seed = factor.columns(start, stop)
+                seed = sqrt.columns(start, stop)
             self._recording.sweep(seed, self.quantity)
         except BaseException:
             self.quantity.abort()
@@ -615,11 +613,11 @@ class GGNComputation:
             )
         return ends
 
-    def _windowed(self, factor: SqrtHessianFactor) -> bool:
+    def _windowed(self, sqrt: SqrtHessianFactor) -> bool:
         """Whether this pass carries its columns on boxes (:mod:`ggnchunk._windows`)."""
         output = self._output
         return (
-            windows.ENABLED and self.quantity.windowed and factor.local
+            windows.ENABLED and self.quantity.windowed and sqrt.local
             and output is not None and output.dim() >= 3
             and math.prod(output.shape[2:]) >= windows.MIN_POSITIONS
             and any(call.rule.windowed for call in self._recording.calls)

@@ -122,7 +122,7 @@ class Sampling:
             exact: The loss Hessian's exact square root for the forward pass.
 
         Returns:
-            A factor with ``k`` columns.
+            A sqrt with ``k`` columns.
         """
         if self._generator is None:
             device = self._source.device if self._source is not None else "cpu"
@@ -161,7 +161,7 @@ class Quantity:
             scale: Factor of the loss Hessian.
 
         Returns:
-            The factor.
+            The sqrt.
         """
         problem = self.problem
         return problem.handler.factorize(problem.loss_func, output, targets, scale)
@@ -193,11 +193,11 @@ class Quantity:
         return recording.fixed_bytes(element)
 
     # -- one sweep --------------------------------------------------------------------
-    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+    def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A sweep over columns ``start:stop`` begins.
 
         Args:
-            factor: The columns' factor.
+            sqrt: The columns' sqrt.
             start: First column.
             stop: Last column (exclusive).
         """
@@ -302,7 +302,7 @@ class _Products(Quantity):
         self._done: set[int] = set()
         self._partial: list[tuple[tuple[int, int], set[int]]] = []  # failed sweeps
 
-    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+    def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         # a sweep that fails (out of memory) is retried in parts of its range, which
         # leave the parameters it finished alone: each column added once per parameter
         self._range = (start, stop)
@@ -397,9 +397,9 @@ class DiagonalGGN(_Products):
         self.result = [torch.zeros_like(p) for p in problem.params]
         self._mask: Tensor | None = None
 
-    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
-        super().begin(factor, start, stop)
-        self._mask = factor.squared_mask(start, stop)
+    def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
+        super().begin(sqrt, start, stop)
+        self._mask = sqrt.squared_mask(start, stop)
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
         if self._mask is not None and call.ctx.output:
@@ -475,8 +475,8 @@ class OutputVariance(_Products):
         self._parts = [self.result]
         return identity_factor(output)
 
-    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
-        super().begin(factor, start, stop)
+    def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
+        super().begin(sqrt, start, stop)
         self._chunk = self.result.new_zeros(stop - start, self.samples)
 
     def _accumulate(self, index: int, value: Tensor) -> None:
@@ -547,7 +547,7 @@ class KroneckerFactors(Quantity):
         # allocated with the forward pass, each chunk's own on top
         return sum(f.numel() for f in self.result[0].values()) * element
 
-    def begin(self, factor: SqrtHessianFactor, start: int, stop: int) -> None:
+    def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         self._chunk = {}
 
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:

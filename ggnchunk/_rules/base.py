@@ -24,7 +24,7 @@ class Caches:
 
     Attributes:
         patches: A convolution's unfolded input patches, ``[N, G, K, P]``.
-        gram: The Gram factor of the fixed side of
+        gram: The Gram matrix of the fixed side of
             :func:`~ggnchunk._rules.kernels.square_sum`, ``[N, G, K, P, P]``.
         squares: The input's squares, for the output layer's one-hot form.
         grouped: A transposed convolution's input viewed as ``[N, G, C_in/G, P]``.

@@ -122,7 +122,7 @@ class ConvRule(LayerRule):
                 out["weight"] = total.reshape(module.weight.shape)
             else:
                 if ctx.lean and ctx.caches.gram is not None:
-                    # the factor is built: only the shape is read, no patches
+                    # the Gram matrix is built: only the shape is read, no patches
                     b = a.new_empty(()).expand(n, g, k, p)
                 else:
                     b = self._patches(ctx)
@@ -317,7 +317,7 @@ class ConvRule(LayerRule):
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
             return fixed + patches, per_column, BLOCK + reorder
-        # lean: nothing kept but Gram factors; all patches at once only to build those
+        # lean: nothing kept but Gram matrices; all patches at once only to build those
         # (and for per-sample products), one sample's otherwise; the input's squares for
         # the output layer's one-hot form
         fixed, per_column = square_sum_bytes(n, g, o, k, positions, lean=True)
@@ -395,7 +395,7 @@ class ConvTransposeRule(LayerRule):
             result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
             for j, offset in enumerate(offsets):
                 a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
-                result[:, :, j] = square_sum(  # one Gram factor of b
+                result[:, :, j] = square_sum(  # one Gram matrix of b
                     a, b, ctx.caches, columns=ctx.columns
                 )
             out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
@@ -529,7 +529,7 @@ class ConvTransposeRule(LayerRule):
         module, x = ctx.module, ctx.x
         n, g, p = x.shape[0], module.groups, math.prod(x.shape[2:])
         o, k = module.out_channels // g, module.in_channels // g
-        return square_sum_bytes(n, g, o, k, p, ctx.columns)[0] * element  # Gram factor
+        return square_sum_bytes(n, g, o, k, p, ctx.columns)[0] * element  # Gram matrix
 
     def transient_bytes(self, ctx, element):
         return BLOCK * element  # samples batched in the direct form

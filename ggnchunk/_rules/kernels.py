@@ -3,7 +3,7 @@
 Many rules reduce to ``sum_{v,n} (sum_p A[v,n,g,o,p] B[n,g,k,p])**2`` with ``p`` running
 over positions (tokens, pixels): :func:`square_sum` computes it either directly (form the
 products, square) or in Gram form (``sum_{p,q} (A A^T)_{pq} (B B^T)_{pq}``), whichever
-needs fewer operations; the Gram factor of ``B`` does not depend on the chunk and is
+needs fewer operations; the Gram matrix of ``B`` does not depend on the chunk and is
 computed once per forward pass. :func:`square_sum_bytes` is its memory bound, next to it
 so that the two change together.
 """
@@ -27,7 +27,7 @@ __all__ = [
     "use_gram",
 ]
 
-_GRAM_LIMIT = 2**24  # elements of the Gram factors (64 MiB in float32) at most
+_GRAM_LIMIT = 2**24  # elements of the Gram matrices (64 MiB in float32) at most
 BLOCK = 2**20  # elements of one batched product of the direct form (4 MiB in float32)
 SMALL_WEIGHT = 2**16  # convolution weights backpropagated by the transposed convolution
 
@@ -56,7 +56,7 @@ def square_sum(
     Args:
         a: ``[V, N, G, O, P]`` (chunk-dependent side).
         b: ``[N, G, K, P]`` (fixed for the forward pass).
-        cache: Where the Gram factor of ``b`` is kept between chunks (``gram``).
+        cache: Where the Gram matrix of ``b`` is kept between chunks (``gram``).
         lean: Choose the form by memory rather than by work (a tight budget).
         columns: The chunk size the memory bound was made for
             (:func:`square_sum_bytes`): larger chunks choose the form that size would,
@@ -116,7 +116,7 @@ def square_sum_bytes(
         lean: The form is chosen by memory (then it does not depend on the chunk).
 
     Returns:
-        Upper bounds in elements: the Gram factors (if the Gram form may be chosen) and
+        Upper bounds in elements: the Gram matrices (if the Gram form may be chosen) and
         the per-column products of the direct form.
     """
     if p == 1:  # squares summed over the columns first: nothing per column
