@@ -455,6 +455,14 @@ class GGNComputation:
         dense = self._recording.column_bytes(element) + sqrt.column_bytes()
         if (
             self._windowed(sqrt) and self._windows.choice is not False
+            and not self._recording.windowed_bound_ready
+            and self._recording.windowed_sweeps
+        ):  # fmt: skip
+            # boxes read from values after glue: no bound for windowed passes (their
+            # extra copies around the glue are not in the dense bound): dense passes
+            self._windows.choice = False
+        if (
+            self._windowed(sqrt) and self._windows.choice is not False
             and self._recording.windowed_bound_ready
         ):  # fmt: skip
             # a windowed pass costs its boxes (the seed: one position per column);
