@@ -350,6 +350,7 @@ def test_fields_add_to_every_column():
 
 
 def test_report_says_where_windows_ended(monkeypatch):
+    monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     model, loss_func, x, targets = _problem("attention-bottleneck", "mse")
     _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
@@ -384,6 +385,7 @@ def test_choice_keeps_the_faster_path_of_the_trial(monkeypatch):
 @pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "tutorial-ae"])
 def test_trial_passes_mix_paths_exactly(name, monkeypatch):
     """Windowed and dense passes in one call add up to the exact diagonal."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     monkeypatch.setattr(_windows, "TRIAL", True)
     model, loss_func, x, targets = _problem(name, "mse")
@@ -401,6 +403,7 @@ def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
     When the trial finds the dense path faster, the later chunks (sized for windows)
     run dense in parts that fit the budget: every column once, exact.
     """
+    monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     monkeypatch.setattr(_windows, "TRIAL", True)
     monkeypatch.setattr(
@@ -430,6 +433,7 @@ def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
     Parts already added are never added again (the scheduler would retry the whole
     chunk).
     """
+    monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     monkeypatch.setattr(_windows, "TRIAL", True)
     backward = _engine.GGNComputation._backward
