@@ -455,11 +455,11 @@ class GGNComputation:
         dense = self._recording.column_bytes(element) + sqrt.column_bytes()
         if (
             self._windowed(sqrt) and self._windows.choice is not False
-            and not self._recording.windowed_bound_ready
-            and self._recording.windowed_sweeps
+            and not self._recording.geometric_windows
         ):  # fmt: skip
-            # boxes read from values after glue: no bound for windowed passes (their
-            # extra copies around the glue are not in the dense bound): dense passes
+            # boxes read from values after glue or a layer without a windowed form:
+            # no bound for windowed passes (their extra copies around the glue are not
+            # in the dense bound), so a budgeted call runs dense passes, from the first
             self._windows.choice = False
         if (
             self._windowed(sqrt) and self._windows.choice is not False

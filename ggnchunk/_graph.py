@@ -593,6 +593,35 @@ class Recording:
         self._seen[key] = max(self._seen.get(key, 0), size)
 
     @property
+    def geometric_windows(self) -> bool:
+        """Whether windowed sweeps keep every box by the layers' geometry alone.
+
+        True when every layer that passes vectors on has a windowed rule and every glue
+        region is one ``torch.cat`` of layer outputs along channels; elsewhere boxes are
+        read from values (exact, but with copies the memory bound does not count).
+        """
+        for call in self.calls:
+            if call.leaf is not None and not call.rule.windowed:
+                return False
+        for source in self._sources.values():
+            if source.direct or not (source.frontier or source.params):
+                continue
+            if source.params or not self._is_channel_cat(source):
+                return False
+        return True
+
+    def _is_channel_cat(self, source: _Source) -> bool:
+        target = source.target
+        node = target.grad_fn if isinstance(target, Tensor) else target.node
+        if node is None or node.name() != "CatBackward0":
+            return False
+        edges = node.next_functions
+        if any(e[0] is None or edge_key(e) not in self._out_keys for e in edges):
+            return False
+        dims = len(self.calls[self._out_keys[edge_key(edges[0])]].ctx.out_shape)
+        return node._saved_dim % dims == 1
+
+    @property
     def windowed_bound_ready(self) -> bool:
         """Whether :meth:`column_bytes` can count windowed sizes.
 

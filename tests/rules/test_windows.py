@@ -454,3 +454,22 @@ def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=3)
     assert failed, "the trial's windowed part did not run after its dense part"
     assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("name", "windowed"), [("tutorial-ae", True), ("attention-bottleneck", False)]
+)
+def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, monkeypatch):
+    """Under a budget, value-read boxes mean dense passes from the first one.
+
+    Glue other than a channel cat reads boxes from values, with copies the memory bound
+    does not count.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    model, loss_func, x, targets = _problem(name, "mse")
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, max_memory="256MiB", return_report=True
+    )
+    assert report.windowed is windowed
+    assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
