@@ -210,6 +210,11 @@ PARAMS = [
 ]
 
 
+# exactness under every chunking; whether a budget holds is measured in fresh processes
+# (tests/budget/): in this long-lived test process the resident set also holds what
+# earlier tests left in the C heap, and the 768-column LRASPP's chunks measured above
+# 256 MiB in the full suite only (after the tests' re-layout changed their order)
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
 @pytest.mark.parametrize(("case", "chunking"), PARAMS)
 def test_float64_matches_brute_force(case, chunking):
     problem = _make(case)
