@@ -288,14 +288,6 @@ def attach(
     return Windowed(back.data, back.start, back.size, fields, coeffs)
 
 
-def _coords(start: Tensor, box: tuple[int, ...]) -> list[Tensor]:
-    """Per axis ``[V, box_d]``: the map coordinates of each column's box entries."""
-    return [
-        start[:, d : d + 1] + torch.arange(b, device=start.device)
-        for d, b in enumerate(box)
-    ]
-
-
 def valid(start: Tensor, box: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
     """``[V, 1, 1, *box]`` (bool): which entries of each column's box are in the map.
 
@@ -307,14 +299,8 @@ def valid(start: Tensor, box: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
     Returns:
         The mask.
     """
-    v, dims = start.shape[0], len(box)
-    inside = torch.ones((v, *box), dtype=torch.bool, device=start.device)
-    for d, (coord, s) in enumerate(zip(_coords(start, box), size, strict=True)):
-        ok = (coord >= 0) & (coord < s)  # [V, box_d]
-        shape = [v] + [1] * dims
-        shape[1 + d] = box[d]
-        inside = inside & ok.view(shape)
-    return inside.view(v, 1, 1, *box)
+    inside = _positions(start, tuple(box), tuple(size))[1]
+    return inside.view(start.shape[0], 1, 1, *box)
 
 
 def _positions(
