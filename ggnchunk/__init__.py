@@ -16,7 +16,7 @@ from ggnchunk._graph import SampleCouplingError
 from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import register_rule, supported_layers_table
-from ggnchunk._scheduler import (
+from ggnchunk._scheduling import (
     ChunkRecord,
     ChunkScheduler,
     MemoryBudgetError,

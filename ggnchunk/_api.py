@@ -21,7 +21,7 @@ from ggnchunk._engine import (
     model_lock,
 )
 from ggnchunk._kron import KronFactors, assemble
-from ggnchunk._memory import PeakTracker, parse_memory
+from ggnchunk._memory import MemoryBackend, memory_backend, parse_memory
 from ggnchunk._quantities import (
     DiagonalGGN,
     KroneckerFactors,
@@ -31,7 +31,7 @@ from ggnchunk._quantities import (
 )
 from ggnchunk._rules import ConvRule, FoldedRule
 from ggnchunk._rules.folded import _FOLDED
-from ggnchunk._scheduler import (
+from ggnchunk._scheduling import (
     ChunkScheduler,
     ScheduleReport,
     check_chunking,
@@ -316,7 +316,7 @@ def _needs_batched_autograd(run: GGNComputation) -> bool:
     return False
 
 
-def _set_up_outside(tracker: PeakTracker, set_up) -> int:
+def _set_up_outside(tracker: MemoryBackend, set_up) -> int:
     """Run a one-time set-up in the middle of a call; return the bytes it left resident.
 
     The baseline moves up by them, as if the set-up had run before it.
@@ -415,7 +415,14 @@ def _compute(
     gradient = [torch.zeros_like(p) for p in params] if with_gradient else []
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
     mean = problem.loss_func is not None and problem.loss_func.reduction == "mean"
-    tracker = PeakTracker(problem.device) if options.measured else None
+    tracker = (
+        memory_backend(
+            problem.device,
+            what="chunk_size='auto'" if options.chunk_size == "auto" else "max_memory",
+        )
+        if options.measured
+        else None
+    )
     if tracker is not None:  # one-time set-up is not the budget's: pay it first
         _warm_up(problem)
     baseline = (

@@ -35,9 +35,10 @@ from ggnchunk._attention import folded_attention
 from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._graph import Recording
+from ggnchunk._memory import synchronize
 from ggnchunk._quantities import Gradient, Quantity, Sampling
 from ggnchunk._rules import LayerRule, rule_for
-from ggnchunk._scheduler import is_out_of_memory
+from ggnchunk._scheduling import is_out_of_memory
 from ggnchunk._sqrt_hessians import (
     LossSqrtHessian,
     SqrtHessianFactor,
@@ -567,8 +568,7 @@ class GGNComputation:
     def _timed(self, fn, *args) -> float:
         clock = time.perf_counter()
         fn(*args)
-        if self._output.device.type == "cuda":
-            torch.cuda.synchronize(self._output.device)
+        synchronize(self._output.device)
         return time.perf_counter() - clock
 
     def _part(self, sqrt: SqrtHessianFactor, start: int, stop: int, windowed: bool) -> None:

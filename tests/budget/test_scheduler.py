@@ -22,8 +22,14 @@ from ggnchunk import (
     OutOfMemoryRecoveryWarning,
 )
 from ggnchunk._engine import GGNComputation
-from ggnchunk._memory import parse_memory
-from ggnchunk._scheduler import _SAFETY
+from ggnchunk._memory import (
+    HostMemory,
+    UnsupportedDeviceError,
+    memory_backend,
+    parse_memory,
+)
+from ggnchunk._scheduling.autotune import AutotuneCache
+from ggnchunk._scheduling.budget import Decision
 from tests.cases import LOSSES, MODELS
 from tests.reference import assert_diag_close
 
@@ -80,7 +86,7 @@ def test_budget_mode_fits_the_budget_and_covers_everything(budget_mib):
     assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
     # sizes grow geometrically from measured chunks up to what the budget allows (up to
     # the safety margin), which then runs the bulk of the range
-    expected = int((_SAFETY["cpu"] * budget_mib * MiB - 10 * MiB) // MiB)
+    expected = int((HostMemory.planning_share * budget_mib * MiB - 10 * MiB) // MiB)
     sizes = [c.stop - c.start for c in report.chunks]
     assert max(sizes) <= expected
     assert all(b <= 2 * a for a, b in itertools.pairwise(sizes[1:]))
@@ -190,7 +196,7 @@ class _SimulatedDevice(SimulatedMemory):
             return original(run, start, stop)
 
         monkeypatch.setattr(GGNComputation, "backward", backward)
-        monkeypatch.setattr(ggnchunk._api, "PeakTracker", lambda device: sim)
+        monkeypatch.setattr(ggnchunk._api, "memory_backend", lambda device, what: sim)
         # the engine's analytic bound, simulated too: the plan follows the simulation
         monkeypatch.setattr(GGNComputation, "column_bytes", lambda run: sim.per_index)
         monkeypatch.setattr(
@@ -398,7 +404,9 @@ def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(
 ):
     from ggnchunk._api import _plan_for_budget
 
-    monkeypatch.setitem(_SAFETY, "cpu", 0.7)  # the cases' numbers are for a 70% target
+    monkeypatch.setattr(
+        HostMemory, "planning_share", 0.7
+    )  # the cases' numbers are for a 70% target
 
     run = _FakeRun(full, lean)
     chosen = _plan_for_budget(run, 100 * MiB, 5 * MiB, 100, torch.device("cpu"))
@@ -416,7 +424,9 @@ def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(
 ):
     from ggnchunk._api import _plan_for_budget
 
-    monkeypatch.setitem(_SAFETY, "cpu", 0.7)  # the numbers above are for a 70% target
+    monkeypatch.setattr(
+        HostMemory, "planning_share", 0.7
+    )  # the numbers above are for a 70% target
 
     run = _FakeRun((MiB, MiB // 2), (MiB, MiB // 2), gram_from=100)
     lean = _plan_for_budget(run, budget, 0, 784, torch.device("cpu"))
@@ -507,7 +517,7 @@ def test_a_zero_reading_never_licenses_an_unbounded_chunk(hidden):
     overshoot = [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     # the one chunk that could overshoot is twice a hidden size: warned if above budget
     assert peak <= 64 * MiB or overshoot, (peak, sizes)
-    assert max(sizes) <= max(2 * hidden, int(_SAFETY["cpu"] * 64)), sizes
+    assert max(sizes) <= max(2 * hidden, int(HostMemory.planning_share * 64)), sizes
     # the report's chunk size is the one that ran the bulk of the range
     covered = {s: sum(x for x in sizes if x == s) for s in sizes}
     assert covered[report.chunk_size] == max(covered.values()), (report.chunk_size, sizes)
@@ -569,3 +579,56 @@ def test_auto_with_a_known_bound_starts_cache_friendly_and_climbs(best):
     assert sizes[:2] == [1, 256], sizes  # one index, then the cache-friendly size
     assert report.chunk_size == best, sizes
     ggnchunk.clear_autotune_cache()
+
+
+# -- memory backends and the autotune cache (issue 18) ----------------------------------
+@pytest.mark.parametrize("kind", ["mps", "xpu", "meta"])
+def test_a_device_without_a_memory_backend_is_refused_for_budgets(kind):
+    """Budgets on a device whose memory cannot be read are refused, never run on RSS."""
+    calls = []
+
+    def fn(start, stop):
+        calls.append((start, stop))
+
+    with pytest.raises(UnsupportedDeviceError, match=f"not on '{kind}'.*num_chunks"):
+        ChunkScheduler(max_memory="64MiB", device=kind).run(8, fn)
+    with pytest.raises(UnsupportedDeviceError, match=r"chunk_size='auto'"):
+        ChunkScheduler(chunk_size="auto", device=kind).run(8, fn)
+    with pytest.raises(ValueError, match=f"not on '{kind}'"):
+        ggnchunk.measure_peak_memory(lambda: None, device=kind)
+    assert calls == []  # refused before any work
+    # a fixed chunking measures nothing and runs on every device kind
+    _, report = ChunkScheduler(num_chunks=3, device=kind).run(8, fn)
+    assert calls == [(0, 3), (3, 6), (6, 8)] and report.mode == "fixed"
+
+
+def test_memory_backends_by_device_kind():
+    host = memory_backend("cpu")
+    assert isinstance(host, HostMemory) and host.method == "rss-poll"
+    assert host.current() > 0 and host.settled() > 0 and host.free() > 0
+    result, peak, seconds = host.measure(lambda: torch.ones(2**20).sum())
+    assert result == 2**20 and peak > 0 and seconds >= 0
+    assert memory_backend("cuda").method == "cuda-allocator"  # nothing measured yet
+
+
+def test_the_autotune_cache_is_bounded_and_least_recently_used():
+    cache = AutotuneCache(size=3)
+    for key in "abc":
+        cache.put(key, Decision(1.0, 2.0))
+    assert cache.get("a") is not None  # "a" is now the most recently used
+    cache.put("d", Decision(1.0, 2.0))  # evicts "b", the least recently used
+    assert len(cache) == 3 and cache.get("b") is None
+    assert all(cache.get(key) is not None for key in "acd")
+    cache.put(None, Decision(1.0, 2.0))  # no key: never cached
+    assert len(cache) == 3 and cache.get(None) is None
+
+
+def test_the_schedulers_cache_holds_at_most_its_size(monkeypatch):
+    from ggnchunk._scheduling import autotune
+
+    monkeypatch.setattr(autotune, "CACHE", AutotuneCache(size=4))
+    monkeypatch.setattr("ggnchunk._scheduling.scheduler.CACHE", autotune.CACHE)
+    for key in range(10):
+        sim = SimulatedMemory()
+        ChunkScheduler(max_memory="64MiB", cache_key=key, tracker=sim).run(20, sim.run)
+    assert len(autotune.CACHE) == 4

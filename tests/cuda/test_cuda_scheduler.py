@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ggnchunk import ChunkScheduler, MemoryBudgetWarning, OutOfMemoryRecoveryWarning
-from ggnchunk._scheduler import _SAFETY
+from ggnchunk._memory import CudaMemory, HostMemory
 from tests.budget.test_scheduler import SimulatedMemory
 
 MiB = 2**20
@@ -33,15 +33,15 @@ def test_cuda_grows_from_measurements_where_the_bound_was_conservative(looseness
     scheduler = ChunkScheduler(max_memory=budget, device="cuda", tracker=sim)
     total, report = scheduler.run(5000, sim.run, baseline=0, cost=bound)
     assert total.item() == sum(range(5000))
-    planned = int((_SAFETY["cuda"] * budget - sim.fixed) // bound[1])
-    fits = int((_SAFETY["cuda"] * budget - sim.fixed) // sim.per_index)
+    planned = int((CudaMemory.planning_share * budget - sim.fixed) // bound[1])
+    fits = int((CudaMemory.planning_share * budget - sim.fixed) // sim.per_index)
     sizes = [c.stop - c.start for c in report.chunks]
     assert sizes[1] == planned  # after the first index: the bound's plan
     assert max(sizes) > planned, "no growth from the measured peaks"
     assert report.chunk_size <= fits  # never past the target
     assert report.chunk_size >= 0.9 * fits  # and close to it
     assert all(c.peak_extra_bytes <= budget for c in report.chunks)
-    assert report.peak_extra_bytes <= _SAFETY["cuda"] * budget
+    assert report.peak_extra_bytes <= CudaMemory.planning_share * budget
 
 
 def test_cpu_never_grows_past_the_bound():
@@ -50,7 +50,7 @@ def test_cpu_never_grows_past_the_bound():
     bound = (sim.fixed, 4 * sim.per_index)
     scheduler = ChunkScheduler(max_memory=budget, device="cpu", tracker=sim)
     _, report = scheduler.run(5000, sim.run, baseline=0, cost=bound)
-    planned = int((_SAFETY["cpu"] * budget - sim.fixed) // bound[1])
+    planned = int((HostMemory.planning_share * budget - sim.fixed) // bound[1])
     assert max(c.stop - c.start for c in report.chunks) == planned
 
 
@@ -113,7 +113,7 @@ def test_measure_peak_memory_sees_peaks_before_the_schedulers_own_resets(
     measure_peak_memory gives the GPU benchmark's figures.
     """
     from ggnchunk import measure_peak_memory
-    from ggnchunk._memory import PeakTracker
+    from ggnchunk._memory import CudaMemory as PeakTracker
 
     fake = FakeAllocator()
     fake.install(monkeypatch)

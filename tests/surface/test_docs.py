@@ -74,8 +74,10 @@ def test_docs_site_builds_without_warnings(tmp_path):
     "module",
     [
         "ggnchunk._api",
-        "ggnchunk._scheduler",
-        "ggnchunk._memory",
+        "ggnchunk._scheduling.plan",
+        "ggnchunk._scheduling.scheduler",
+        "ggnchunk._memory.sizes",
+        "ggnchunk._memory.measure",
         "ggnchunk._dataset",
         "ggnchunk.optim",
     ],

@@ -83,7 +83,7 @@ def test_loss_taking_the_mean_itself_is_exact(loss_class):
 def test_interrupt_after_the_poller_starts_leaves_no_thread(monkeypatch):
     import threading
 
-    from ggnchunk._memory import PeakTracker
+    from ggnchunk._memory import HostMemory
 
     started: list[threading.Thread] = []
     original = threading.Thread.start
@@ -95,7 +95,7 @@ def test_interrupt_after_the_poller_starts_leaves_no_thread(monkeypatch):
 
     monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        PeakTracker(torch.device("cpu")).measure(lambda: None)
+        HostMemory(torch.device("cpu")).measure(lambda: None)
     monkeypatch.undo()
     assert len(started) == 1
     started[0].join(timeout=2.0)

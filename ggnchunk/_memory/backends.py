@@ -1,0 +1,380 @@
+"""One memory backend per device kind: what is in use, the peak of a call, what is free.
+
+Everything that depends on how a device's memory is measured lives here, behind
+:class:`MemoryBackend`; the scheduler, the budget planner and the engine ask
+:func:`memory_backend` (or :func:`backend_class` for the policy constants) and never
+branch on ``device.type``.
+
+* :class:`CudaMemory`: the caching allocator's statistics (``memory_allocated``,
+  ``max_memory_allocated``). Exact for tensors, blind to other processes.
+* :class:`HostMemory`: the process's resident set size (RSS), read from
+  ``/proc/self/statm`` and polled by a thread while a measurement is open. RSS counts
+  everything the process touches, including blocks the C heap keeps after ``free``, and
+  cannot see memory the allocator reuses.
+
+A device kind without a backend (``mps``, ``xpu``, ...) is refused by
+:func:`memory_backend` with an error that says what to pass instead: measuring host
+memory there would budget the wrong thing. Fixed chunkings need no measurement and run on
+every device.
+
+To add a device kind: subclass :class:`MemoryBackend` in this file and add it to
+``_BACKENDS``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "CudaMemory",
+    "HostMemory",
+    "MemoryBackend",
+    "UnsupportedDeviceError",
+    "backend_class",
+    "free_memory",
+    "memory_backend",
+    "synchronize",
+]
+
+
+class UnsupportedDeviceError(ValueError):
+    """Memory cannot be measured on this device kind (budgets and auto-tuning need it)."""
+
+
+class MemoryBackend:
+    """Memory of one device: in use now, the peak of a call, and what is free.
+
+    Class attributes (the policy the scheduler reads without measuring anything):
+
+    Attributes:
+        kind: The ``torch.device`` type this backend measures.
+        method: How a peak is measured, as :class:`~ggnchunk.PeakMemory` reports it.
+        planning_share: Share of a budget that plans aim at (the rest is a margin for
+            what the measurement cannot see ahead of time).
+        sees_reuse: Whether a measured peak includes memory the allocator reuses. Where
+            it does not (process RSS), a measured chunk can look smaller than it is, so
+            a plan never grows past the size its bound allows.
+
+    Args:
+        device: The device.
+    """
+
+    kind: ClassVar[str] = ""
+    method: ClassVar[str] = ""
+    planning_share: ClassVar[float] = 1.0
+    sees_reuse: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def current(self) -> int:
+        """Bytes in use now."""
+        raise NotImplementedError
+
+    def settled(self) -> int:
+        """Bytes in use now, after caches that only hold freed memory gave it back."""
+        return self.current()
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
+        """Run ``fn()``; return its result, the peak bytes in use during it, and seconds.
+
+        Args:
+            fn: What to run.
+
+        Returns:
+            ``(result, peak_bytes, seconds)``; ``peak_bytes`` is absolute (compare it with
+            :meth:`current` taken earlier).
+        """
+        raise NotImplementedError
+
+    def measure_call(
+        self, fn: Callable[[], Any], interval: float
+    ) -> tuple[Any, int, int, float]:
+        """Run ``fn()`` for :func:`~ggnchunk.measure_peak_memory`.
+
+        Args:
+            fn: What to run.
+            interval: Polling interval in seconds, where the backend polls.
+
+        Returns:
+            ``(result, baseline_bytes, peak_bytes, seconds)``.
+        """
+        baseline = self.current()
+        result, peak, seconds = self.measure(fn)
+        return result, baseline, peak, seconds
+
+    def free(self) -> int:
+        """Bytes that a computation on the device could still use."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for timings); nothing where it is eager."""
+
+    def release_cached(self) -> None:
+        """Give cached free blocks back after running out of memory."""
+
+
+# -- CUDA: the caching allocator's statistics -------------------------------------------
+
+# measure_peak_memory calls in progress on CUDA: (device, the peaks they were about to
+# lose to a backend's reset of the allocator's peak statistics)
+_WATCHERS: list[tuple[int, list[int]]] = []
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _reset_peak(device: torch.device) -> None:
+    """``reset_peak_memory_stats``, handing the peak so far to open measurements first."""
+    index = _cuda_index(device) if _WATCHERS else None
+    for watched_index, peaks in _WATCHERS:
+        if watched_index == index:
+            peaks.append(torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+class CudaMemory(MemoryBackend):
+    """CUDA: ``memory_allocated`` and ``max_memory_allocated``.
+
+    :meth:`measure` resets the allocator's peak statistics, which also resets the peak
+    a caller may be watching with ``torch.cuda.max_memory_allocated``;
+    :func:`~ggnchunk.measure_peak_memory` is handed the peak before each reset, so it
+    sees the whole call's.
+    """
+
+    kind = "cuda"
+    method = "cuda-allocator"
+    planning_share = 0.92  # the statistics are exact; the margin is for fragmentation
+    sees_reuse = True
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
+        torch.cuda.synchronize(self.device)
+        _reset_peak(self.device)
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        return result, torch.cuda.max_memory_allocated(self.device), seconds
+
+    def measure_call(
+        self, fn: Callable[[], Any], interval: float
+    ) -> tuple[Any, int, int, float]:
+        device = self.device
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        watch = (_cuda_index(device), [])  # peaks before ggnchunk's own resets
+        _WATCHERS.append(watch)
+        start = time.perf_counter()
+        try:
+            result = fn()
+            torch.cuda.synchronize(device)
+        finally:
+            del _WATCHERS[next(i for i, w in enumerate(_WATCHERS) if w is watch)]
+        seconds = time.perf_counter() - start
+        peak = max([torch.cuda.max_memory_allocated(device), *watch[1]])
+        return result, baseline, peak, seconds
+
+    def free(self) -> int:
+        """Free device memory plus the allocator's cached free blocks."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device)
+        return free + cached - torch.cuda.memory_allocated(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def release_cached(self) -> None:
+        torch.cuda.empty_cache()
+
+
+# -- the host: the process's resident set size -----------------------------------------
+
+_LIBC: Any = None
+
+
+def _trim_heap() -> None:
+    """``malloc_trim(0)`` where the C library is glibc; nothing elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
+class HostMemory(MemoryBackend):
+    """CPU: the resident set size, sampled by a thread every millisecond while measuring.
+
+    The kernel's own peak counter (``VmHWM``) is never reset, so a caller's measurement
+    of the whole process stays intact.
+    """
+
+    kind = "cpu"
+    method = "rss-poll"
+    # the resident set size also holds what glibc keeps of freed blocks (fragmentation),
+    # which grows with allocation history: a first large pass measured up to 1.5x its
+    # live sizes. With 0.85 the budget tests (fresh processes, default allocator, first
+    # call, warm and after a one-pass call) hold; the bounds carry their own margin.
+    planning_share = 0.85
+    sees_reuse = False
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._page = 0
+        try:
+            import os
+
+            self._page = os.sysconf("SC_PAGE_SIZE")
+            self._statm()
+        except (OSError, ValueError, AttributeError):
+            self._page = 0
+
+    def _statm(self) -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * self._page
+
+    def current(self) -> int:
+        if self._page:
+            return self._statm()
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def settled(self) -> int:
+        """The resident set size after ``malloc_trim(0)`` (glibc).
+
+        Memory the C heap keeps after ``free`` is still resident, so the resident set
+        size overstates what is in use; trimming returns it to the operating system
+        (nothing in use is touched). Used for the level a plan starts from.
+
+        Returns:
+            As :meth:`current`.
+        """
+        _trim_heap()
+        return self.current()
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[Any, int, float]:
+        peak, done = [self.current()], threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], self.current())
+                done.wait(1e-3)
+
+        thread = threading.Thread(target=poll, daemon=True)
+        start = time.perf_counter()
+        try:  # started inside: an interrupt anywhere after it still stops the thread
+            thread.start()
+            result = fn()
+        finally:
+            seconds = time.perf_counter() - start
+            done.set()
+            if thread.ident is not None:
+                thread.join()
+        return result, max(peak[0], self.current()), seconds
+
+    def measure_call(
+        self, fn: Callable[[], Any], interval: float
+    ) -> tuple[Any, int, int, float]:
+        import psutil
+        from memory_profiler import memory_usage
+
+        baseline = psutil.Process().memory_info().rss
+        start = time.perf_counter()
+        peak_mib, result = memory_usage(
+            (fn, (), {}), interval=interval, max_usage=True, retval=True
+        )
+        seconds = time.perf_counter() - start
+        return result, baseline, int(peak_mib * 2**20), seconds
+
+    def free(self) -> int:
+        """Available system memory."""
+        import psutil
+
+        return psutil.virtual_memory().available
+
+
+_BACKENDS: dict[str, type[MemoryBackend]] = {
+    backend.kind: backend for backend in (CudaMemory, HostMemory)
+}
+
+
+def backend_class(device: torch.device | str, what: str = "max_memory") -> type:
+    """The memory backend class of ``device``'s kind (its policy, nothing measured).
+
+    Args:
+        device: The device.
+        what: What needs the measurement, for the error message.
+
+    Returns:
+        A :class:`MemoryBackend` subclass.
+
+    Raises:
+        UnsupportedDeviceError: Where no backend measures this device kind.
+    """
+    device = torch.device(device)
+    try:
+        return _BACKENDS[device.type]
+    except KeyError:
+        kinds = ", ".join(repr(kind) for kind in _BACKENDS)
+        raise UnsupportedDeviceError(
+            f"{what} needs the memory in use on the device, and ggnchunk can measure it "
+            f"on {kinds} only, not on {device.type!r} (its host memory is not the "
+            f"device's). On {device.type!r} pass a fixed chunking instead (num_chunks or "
+            "an int chunk_size), or run on the CPU or a CUDA device."
+        ) from None
+
+
+def memory_backend(device: torch.device | str, what: str = "max_memory") -> MemoryBackend:
+    """The memory backend measuring ``device``.
+
+    Args:
+        device: The device.
+        what: What needs the measurement, for the error message.
+
+    Returns:
+        A fresh backend instance (cheap; keeps no state between measurements).
+
+    Raises:
+        UnsupportedDeviceError: Where no backend measures this device kind.
+    """
+    device = torch.device(device)
+    return backend_class(device, what)(device)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes that a computation on ``device`` could still use.
+
+    Args:
+        device: A CUDA device (free device memory plus the allocator's cached free
+            blocks) or the CPU (available system memory).
+
+    Returns:
+        Bytes.
+    """
+    return memory_backend(device).free()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work where its backend knows how (for timings).
+
+    Args:
+        device: The device; kinds without a backend are not waited for.
+    """
+    backend = _BACKENDS.get(torch.device(device).type)
+    if backend is not None:
+        backend(device).synchronize()

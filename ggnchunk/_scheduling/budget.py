@@ -1,0 +1,284 @@
+"""The budget model: how large a chunk fits, checked against every measured chunk.
+
+A chunk of ``s`` indices is modelled as ``fixed + per_index * s`` bytes above the
+call's baseline. The model comes from a known bound (the engine's memory model), from a
+cached decision, or from probing one index; every chunk run afterwards is measured, and
+:meth:`BudgetPlanner.next_size` shrinks the size after a chunk above the planning target
+(warning once where it went above the budget itself) or grows it toward the target. The
+share of the budget that plans aim at is the device's (its memory backend's
+``planning_share``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ggnchunk._checks import user_stacklevel
+from ggnchunk._memory import MemoryBackend, backend_class, format_bytes
+from ggnchunk._scheduling.execute import ChunkRecord, Executor
+
+__all__ = [
+    "BudgetPlanner",
+    "Cost",
+    "Decision",
+    "MemoryBudgetError",
+    "MemoryBudgetWarning",
+    "passes_within",
+    "planning_share",
+]
+
+Cost = tuple[float, float] | Callable[[], tuple[float, float]]
+"""A bound ``(fixed_bytes, bytes_per_index)``, or a callable asked when needed."""
+
+
+class MemoryBudgetError(MemoryError):
+    """The smallest chunk (one index) does not fit the memory budget."""
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A chunk's measured peak memory went above the budget; later chunks were shrunk."""
+
+
+def planning_share(device: torch.device) -> float:
+    """Share of a budget that plans aim at on ``device`` (the rest is a safety margin).
+
+    Args:
+        device: Where the work runs.
+
+    Returns:
+        A number in ``(0, 1]``.
+    """
+    return backend_class(device).planning_share
+
+
+def passes_within(
+    budget: int, device: torch.device, level: int, fixed: int, per_index: int, total: int
+) -> float:
+    """Passes budget mode plans for ``total`` indices with this cost; ``inf`` if none fit.
+
+    Args:
+        budget: The budget in bytes.
+        device: Where the work runs (its safety margin applies).
+        level: Bytes already in use above the call's baseline.
+        fixed: Bytes a pass needs whatever its size.
+        per_index: Bytes per index of a pass.
+        total: Number of indices.
+
+    Returns:
+        The number of passes, or ``math.inf``.
+    """
+    if level + fixed + per_index > budget:
+        return math.inf
+    room = planning_share(device) * budget - level - fixed
+    size = max(1, min(total, int(room // max(per_index, 1))))
+    return math.ceil(total / size)
+
+
+@dataclass
+class Decision:
+    """A fitted memory model and where a run ended (what the autotune cache keeps)."""
+
+    fixed: float
+    per_index: float
+    chunk_size: int | None = None  # where the last call ended
+    tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
+
+
+class BudgetPlanner:
+    """Chunk sizes within one budget, for one run of an :class:`Executor`.
+
+    Args:
+        executor: Runs and measures the chunks.
+        budget: The budget in bytes, above the executor's baseline.
+        total: Size of the index range.
+        backend: The memory backend class of the device (its planning share, and
+            whether its measurements see memory the allocator reuses).
+    """
+
+    def __init__(
+        self, executor: Executor, budget: int, total: int, backend: type[MemoryBackend]
+    ):
+        self.executor = executor
+        self.budget = budget
+        self.total = total
+        self.backend = backend
+        self.share = backend.planning_share
+        self.ceiling = total  # no chunk above this size (a bound's, or one that overshot)
+        self.one: int | None = None  # the probe's peak of one index (no bound known)
+        self._overshoot_warned = False
+        self.first_level = max(0, executor.level())
+
+    @property
+    def first_level(self) -> int:
+        """Memory in use above the baseline when planning began."""
+        return self._first_level
+
+    @first_level.setter
+    def first_level(self, level: int) -> None:
+        self._first_level = level
+        self.executor.settle_above = level  # a pass above it starts from a settled heap
+
+    @property
+    def target(self) -> float:
+        """The bytes plans aim at: the budget's planning share."""
+        return self.share * self.budget
+
+    @property
+    def what(self) -> str:
+        """What the indices count."""
+        return self.executor.what
+
+    def fit_size(self, decision: Decision) -> int:
+        """The largest chunk the decision's model fits within the target.
+
+        Args:
+            decision: The memory model.
+
+        Returns:
+            A size in ``[1, total]``.
+        """
+        room = self.target - decision.fixed
+        return max(1, min(self.total, int(room // max(decision.per_index, 1.0))))
+
+    def from_cost(self, cost: Cost, check: bool = True) -> Decision:
+        """The plan from a known bound; a budget below one index raises first.
+
+        Args:
+            cost: The bound, counted from the memory in use now.
+            check: Whether to raise where one index does not fit. False for the re-plan
+                after the first index ran (which fitted): the work done is kept.
+
+        Returns:
+            The decision (the level in use now plus the bound's fixed bytes).
+
+        Raises:
+            MemoryBudgetError: With ``check``, where one index does not fit.
+        """
+        fixed_bound, per_index = cost() if callable(cost) else cost
+        level = self.executor.settled_level()
+        fixed = level + fixed_bound
+        if check and fixed + per_index > self.budget:
+            raise MemoryBudgetError(
+                f"max_memory is {format_bytes(self.budget)}, but a chunk of 1 of the "
+                f"{self.what} needs up to {format_bytes(fixed + per_index)} above "
+                f"the memory in use before the call ({format_bytes(level)} of it already "
+                f"in use after the forward pass, {format_bytes(per_index)} per "
+                f"{self.what[:-1] if self.what.endswith('s') else self.what}). "
+                "Raise max_memory, or make the problem smaller (e.g. batch_chunk_size "
+                "for fewer samples per forward pass)."
+            )
+        self.first_level = level
+        return Decision(fixed, per_index)
+
+    def probe(self) -> tuple[Decision, int]:
+        """Measure one index, twice (where the range has three): its peak is the start.
+
+        The first chunk of a call can pay one-time costs (kernels set up and workspaces
+        allocated on first use); a second one-index chunk shows the steady state, and the
+        smaller of the two peaks is the cost of one index. Nothing is extrapolated from
+        it: a reading of zero (memory the allocator reused) would license any size.
+        Larger chunks then grow geometrically from measured ones (:meth:`next_size`).
+
+        Returns:
+            A first decision (the level before, and the one index's growth above it as
+            the cost per index) and the first index not yet computed.
+
+        Raises:
+            MemoryBudgetError: Where one index already needs more than the budget.
+        """
+        executor = self.executor
+        before = executor.level()
+        in_use = executor.tracker.current()
+        (first,) = executor.run_range(0, 1)
+        if not self.backend.sees_reuse:
+            # Memory the first chunk leaves behind is one-time set-up (kernels, libraries
+            # loaded lazily on first use), not a cost of the chunk: count from after it.
+            retained = max(0, executor.tracker.current() - in_use)
+            if retained:
+                executor.baseline += retained
+                first.peak_extra_bytes = max(0, first.peak_extra_bytes - retained)
+        one, start = first.peak_extra_bytes, 1
+        if self.total >= 3:
+            (again,) = executor.run_range(1, 2)
+            one, start = min(one, again.peak_extra_bytes), 2
+        if one > self.budget:
+            raise MemoryBudgetError(
+                f"max_memory is {format_bytes(self.budget)}, but a chunk of 1 of the "
+                f"{self.what} already needs {format_bytes(one)} "
+                f"above the memory in use before the call ({format_bytes(before)} of it "
+                "before the first chunk). Raise max_memory, or make the problem smaller "
+                "(e.g. batch_chunk_size for fewer samples per forward pass)."
+            )
+        self.one, self.first_level = one, before
+        return Decision(before, max(one - before, 1)), start
+
+    def next_size(self, records: list[ChunkRecord], size: int, grow: bool) -> int:
+        """The next chunk size after ``records`` (one planned chunk, or its OOM parts).
+
+        Shrinks after a chunk above the planning target (warning once if it went above
+        the budget), and with ``grow`` grows toward the target: twice the chunk at most,
+        less where the growth measured between one index and this chunk predicts the
+        target sooner. Never above the ceiling (the bound's size, or a size that
+        overshot) nor the range.
+
+        Args:
+            records: The records of the chunk just run.
+            size: The size planned for it.
+            grow: Whether the size may grow.
+
+        Returns:
+            The next size.
+        """
+        budget, target = self.budget, self.target
+        if len(records) > 1:  # split after running out of memory: stay below that
+            size = min(size, max(r.stop - r.start for r in records))
+        largest = max(records, key=lambda r: r.stop - r.start)
+        done, peak = largest.stop - largest.start, largest.peak_extra_bytes
+        if peak is None:
+            return size
+        level = largest.level_before_bytes or 0
+        # what stays resident whatever the chunk size (a lower bound, so growth stays
+        # safe: a chunk twice as large adds at most twice as much above it)
+        floor = min(self.first_level, level)
+        own = peak - level
+        if peak > target and done > 1 and own > 0.05 * target:  # overshoot: shrink
+            size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
+            size = min(size, done - 1)
+            self.ceiling = min(self.ceiling, size)
+            if peak > budget:  # above the safety target only: shrink quietly
+                self._warn_overshoot(peak, size)
+        elif peak > budget and done == 1:  # nothing left to shrink: say so
+            self._warn_overshoot(peak, 1)
+        elif grow and done >= size and len(records) == 1 and peak <= target:
+            grown = 2 * done
+            if self.one is not None and done > 1 and peak > self.one:
+                # the growth per index measured from one index to this chunk
+                slope = (peak - self.one) / (done - 1)
+                grown = min(grown, int(done + (target - peak) / slope + 1e-9))
+            elif self.one is None and peak > floor:
+                grown = min(grown, int(done * (target - floor) / (peak - floor)))
+            size = max(size, grown)
+        return max(1, min(self.total, self.ceiling, size))
+
+    def _warn_overshoot(self, peak: int, size: int) -> None:
+        if self._overshoot_warned:
+            return
+        self._overshoot_warned = True
+        warnings.warn(
+            f"ggnchunk: a chunk peaked at {format_bytes(peak)}, above the "
+            f"{format_bytes(self.budget)} budget; the remaining chunks use at most {size} "
+            f"{self.what}. The result is exact."
+            + (
+                " A chunk of 1 cannot shrink further: raise max_memory, or pass "
+                "batch_chunk_size for fewer samples per forward pass."
+                if size == 1
+                else ""
+            ),
+            MemoryBudgetWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -1,0 +1,280 @@
+"""The chunk scheduler: one object that runs a computation over chunks of an index range.
+
+Generic: nothing here knows about GGNs. It ties together the parts of
+:mod:`ggnchunk._scheduling`: fixed plans (:mod:`~ggnchunk._scheduling.plan`), execution
+with out-of-memory splitting (:mod:`~ggnchunk._scheduling.execute`), the budget model
+(:mod:`~ggnchunk._scheduling.budget`) and auto mode's timing trials and cache
+(:mod:`~ggnchunk._scheduling.autotune`); memory is measured by the device's backend
+(:mod:`ggnchunk._memory.backends`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from ggnchunk._checks import check_positive_int
+from ggnchunk._memory import MemoryBackend, memory_backend, parse_memory
+from ggnchunk._memory.backends import _BACKENDS
+from ggnchunk._scheduling.autotune import CACHE, tune
+from ggnchunk._scheduling.budget import BudgetPlanner, Cost, Decision
+from ggnchunk._scheduling.execute import Executor, ScheduleReport
+from ggnchunk._scheduling.plan import bulk_size, check_chunking, plan_chunks
+
+__all__ = ["ChunkScheduler", "Mode"]
+
+
+class Mode(str, enum.Enum):
+    """How a :class:`ChunkScheduler` chooses its chunks (compares equal to its value)."""
+
+    FIXED = "fixed"
+    BUDGET = "budget"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _needs(mode: Mode) -> str:
+    return "chunk_size='auto'" if mode is Mode.AUTO else "max_memory"
+
+
+def _known_backend(device: torch.device) -> type[MemoryBackend] | None:
+    return _BACKENDS.get(device.type)
+
+
+class ChunkScheduler:
+    """Run ``fn(start, stop)`` over chunks that partition ``[0, total)``.
+
+    Generic: ``fn`` may compute anything that is a sum over an index range (GGN columns,
+    per-sample gradients, Jacobian rows); it either accumulates itself and returns
+    ``None``, or returns a tensor (or list/tuple/dict of tensors) that the scheduler adds
+    up. Three modes:
+
+    * **fixed** (``num_chunks`` or an int ``chunk_size``): the plan of :func:`plan_chunks`
+      (both clamped to ``total``).
+    * **budget** (``max_memory``): the chunk size is chosen so that the peak memory above
+      ``baseline`` stays within the budget. The memory of a chunk of size ``s`` is modelled
+      as ``fixed + per_index * s``; the first chunk (one index) and a second chunk sized
+      conservatively from it are measured to fit the model, and every later chunk is
+      measured too, shrinking the size if one overshoots. If one index does not fit, a
+      :class:`MemoryBudgetError` says how much it needs.
+    * **auto** (``chunk_size="auto"``): within the budget (``max_memory``, or else 90% of
+      the free device memory), the budget's chunk size and smaller ones are timed on real
+      chunks (nothing is computed twice) and the fastest per index is used for the rest.
+      Problems that budget mode runs in fewer than 20 passes are not tuned (a trial would
+      cost more than it can save), so auto mode is never much slower than budget mode.
+      The decision is cached under ``cache_key`` for later calls, as cuDNN's benchmark
+      mode does.
+
+    Every mode works for every ``total >= 1``: ``fn`` is only called with
+    ``0 <= start < stop <= total``, and every index is covered exactly once, in order.
+
+    In every mode a chunk that runs out of memory is split in halves and retried (chunks
+    already done are kept); a single index that runs out of memory raises. ``fn`` must
+    leave no partial contribution behind when it raises.
+
+    Args:
+        num_chunks: Fixed number of chunks.
+        chunk_size: Fixed largest chunk size, or ``"auto"``.
+        max_memory: Budget for the peak memory above ``baseline``: bytes or a string such
+            as ``"2GiB"``.
+        device: Device whose memory is budgeted and measured.
+        recover_oom: Split chunks that run out of memory instead of raising; ``True``
+            or ``False``.
+        cache_key: Hashable key under which budget/auto decisions are remembered.
+        what: What the indices count, for messages.
+        tracker: What measures memory: an object with ``current() -> bytes`` and
+            ``measure(fn) -> (result, peak bytes, seconds)``; by default the
+            memory backend of ``device`` (:mod:`ggnchunk._memory.backends`). Tests
+            pass a simulated one.
+
+    Examples:
+        Squared norms of per-sample gradients, summed over a large batch in chunks that
+        fit 64 MiB, a computation that has nothing to do with the GGN:
+
+        >>> import torch
+        >>> from ggnchunk import ChunkScheduler
+        >>> model = torch.nn.Linear(100, 10)
+        >>> X, y = torch.randn(1000, 100), torch.randn(1000, 10)
+        >>> params = dict(model.named_parameters())
+        >>> def loss(p, x, t):
+        ...     out = torch.func.functional_call(model, p, (x[None],))
+        ...     return ((out - t[None]) ** 2).sum()
+        >>> per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+        >>> def chunk(start, stop):
+        ...     grads = per_sample(params, X[start:stop], y[start:stop])
+        ...     return sum(g.pow(2).flatten(1).sum(1).sum() for g in grads.values())
+        >>> total, report = ChunkScheduler(max_memory="64MiB").run(1000, chunk)
+        >>> report.mode, total.shape
+        ('budget', torch.Size([]))
+    """
+
+    def __init__(
+        self,
+        *,
+        num_chunks: int | None = None,
+        chunk_size: int | str | None = None,
+        max_memory: int | str | None = None,
+        device: str | torch.device = "cpu",
+        recover_oom: bool = True,
+        cache_key: Hashable | None = None,
+        what: str = "indices",
+        tracker: Any = None,
+    ):
+        check_chunking(num_chunks, chunk_size, max_memory)
+        if not isinstance(recover_oom, bool):
+            raise TypeError(
+                f"recover_oom must be a bool, got {type(recover_oom).__name__} "
+                f"{recover_oom!r}; pass True (split chunks that run out of memory) or "
+                "False (let the out-of-memory error through)."
+            )
+        self.num_chunks = num_chunks
+        self.chunk_size = chunk_size
+        self.budget = None if max_memory is None else parse_memory(max_memory)
+        self.device = torch.device(device)
+        self.recover_oom = recover_oom
+        self.cache_key = cache_key
+        self.what = what
+        self.tracker = tracker
+        if chunk_size == "auto":
+            self.mode = Mode.AUTO
+        elif self.budget is not None:
+            self.mode = Mode.BUDGET
+        else:
+            self.mode = Mode.FIXED
+
+    def run(
+        self,
+        total: int,
+        fn: Callable[[int, int], Any],
+        baseline: int | None = None,
+        cost: tuple[float, float] | Callable[[], tuple[float, float]] | None = None,
+    ) -> tuple[Any, ScheduleReport]:
+        """Run ``fn`` over chunks of ``[0, total)``.
+
+        Args:
+            total: Size of the index range.
+            fn: ``fn(start, stop)``; its non-``None`` results are added up.
+            baseline: Memory in use before the computation began (the budget counts
+                from here); defaults to the memory in use now.
+            cost: A known upper bound on the memory of a chunk of ``s`` indices,
+                ``(fixed_bytes, bytes_per_index)``, counted from the memory in use now.
+                With it, budget and auto modes plan from the bound instead of probing
+                (a measured chunk above the budget still shrinks the size) and never
+                grow past it on the CPU, where the resident set size cannot see memory
+                that the allocator reuses. A callable is asked again after the first
+                index ran, counted from the memory in use then (so what the first pass
+                built and keeps is not counted twice).
+
+        Returns:
+            ``(sum of fn's results or None, report)``.
+
+        Raises:
+            MemoryBudgetError: If one index does not fit the budget.
+            TypeError: If ``total`` is not an int.
+            UnsupportedDeviceError: For a budget or auto mode on a device kind whose
+                memory ggnchunk cannot measure.
+            ValueError: If ``total`` is not positive.
+        """
+        total = check_positive_int(total, "total")
+        report = ScheduleReport(
+            total=total, mode=self.mode.value, chunk_size=0, budget_bytes=self.budget
+        )
+        if self.mode is Mode.FIXED:
+            known = _known_backend(self.device)
+            release = None if known is None else known(self.device).release_cached
+            executor = Executor(fn, report, None, 0, self.recover_oom, release, self.what)
+            plan = plan_chunks(total, self.num_chunks, self.chunk_size, what=self.what)
+            report.chunk_size = max(b - a for a, b in plan)
+            for start, stop in plan:
+                executor.run_range(start, stop)
+        else:
+            backend = memory_backend(self.device, what=_needs(self.mode))
+            tracker = self.tracker if self.tracker is not None else backend
+            if baseline is None:
+                baseline = tracker.current()
+            executor = Executor(
+                fn, report, tracker, baseline, self.recover_oom, backend.release_cached,
+                self.what,
+            )  # fmt: skip
+            budget = self.budget
+            if budget is None:  # auto mode without a budget: 90% of what is free
+                budget = int(0.9 * (backend.free() + executor.level()))
+            report.budget_bytes = budget
+            planner = BudgetPlanner(executor, budget, total, type(backend))
+            _run_adaptive(planner, self.mode, self.cache_key, cost)
+        executor.warn_if_recovered()
+        return executor.result, report
+
+
+def _run_adaptive(
+    planner: BudgetPlanner, mode: Mode, key: Hashable | None, cost: Cost | None
+) -> None:
+    """Budget and auto modes: start (from the bound, the cache, or a probe), tune, adapt.
+
+    Every chunk is measured and checked against the budget
+    (:meth:`~ggnchunk._scheduling.budget.BudgetPlanner.next_size`): one above the
+    planning target shrinks the size for the rest (and warns when it went above the
+    budget itself); without a known bound, sizes grow geometrically from measured chunks
+    (at most twice the largest measured size at a time, less where the measured growth
+    per index says the target is nearer), so that a measurement that sees nothing
+    (memory the allocator reuses, a page-sized resolution) never licenses an unbounded
+    chunk.
+    """
+    total, executor, report = planner.total, planner.executor, planner.executor.report
+    cache_key = None if key is None else (key, str(mode), planner.budget, total)
+    cached = CACHE.get(cache_key)
+    if cost is not None:
+        decision, start, size, grow = _start_from_bound(planner, cost)
+    elif cached is None:
+        decision, start = planner.probe()
+        size, grow = min(total, 2), True  # then geometric growth from measured chunks
+    else:
+        decision, start, grow = cached, 0, not cached.tuned
+        report.from_cache = True
+        size = cached.chunk_size or planner.fit_size(cached)
+    if mode is Mode.AUTO and start < total:
+        if cached is not None and cached.tuned and cached.chunk_size:
+            report.from_cache = True
+            size, grow, decision.tuned = min(size, cached.chunk_size), False, True
+        else:
+            start, size, tuned = tune(planner, start, size, decision, cost is not None)
+            decision.tuned = tuned
+            grow = grow and not tuned
+    while start < total:
+        stop = min(total, start + size)
+        records = executor.run_range(start, stop)
+        start = stop
+        size = planner.next_size(records, size, grow)
+    decision.chunk_size = size
+    decision.per_index = max(1.0, (planner.target - decision.fixed) / max(size, 1))
+    CACHE.put(cache_key, decision)
+    report.fixed_bytes = decision.fixed
+    report.bytes_per_index = decision.per_index
+    report.chunk_size = bulk_size([c.stop - c.start for c in report.chunks])
+
+
+def _start_from_bound(
+    planner: BudgetPlanner, cost: Cost
+) -> tuple[Decision, int, int, bool]:
+    """The plan from a known bound: one index first, then the bound counted from there.
+
+    One index must fit (checked before any work). The first chunk of a call can leave
+    one-time set-up behind (kernels and libraries loaded on first use), so the plan is
+    made again after it. Where measurements cannot see memory the allocator reuses
+    (process RSS), no chunk ever grows past the bound's size.
+
+    Returns:
+        ``(decision, next start, size, grow)``.
+    """
+    planner.from_cost(cost)
+    start = planner.executor.run_range(0, 1)[-1].stop if planner.total > 1 else 0
+    decision = planner.from_cost(cost, check=False)
+    size = planner.fit_size(decision)
+    if not planner.backend.sees_reuse:
+        planner.ceiling = size
+    return decision, start, size, True
