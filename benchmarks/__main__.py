@@ -293,7 +293,7 @@ class Bench:
             "batch_size",
         ):
             record[key] = memory.get(key)
-        for key in ("cold_error", "cold_call_s"):
+        for key in ("cold_error", "cold_call_s", "cold_setup_mib", "cold_setup_s"):
             if key in memory:
                 record[key] = memory[key]
         for key in (
@@ -302,6 +302,7 @@ class Bench:
             "first_call_s",
             "first_call_error",
             "first_call_plain",
+            "first_call_setup_s",
             "flops",
             "chunk_size",
             "passes",

@@ -124,7 +124,8 @@ def ggnchunk_method(
         model, loss_func, inputs, targets, return_report=True, **params
     )
     info = {"chunk_size": report.chunk_size, "passes": report.num_passes,
-            "columns": report.num_columns}  # fmt: skip
+            "columns": report.num_columns, "setup_s": report.setup_seconds,
+            "setup_mib": report.setup_bytes / 2**20}  # fmt: skip
     return list(diag.values()), info
 
 

@@ -228,6 +228,22 @@ def _budget_use(row: dict | None, key: str) -> float | None:
     return value / mib if mib and value is not None else None
 
 
+def _first_call_peak(row: dict | None) -> float | None:
+    """The first call's peak above its own baseline (MiB), as the budget counts it.
+
+    The raw figure (``cold_peak_mib``) counts from before the call; the process's
+    one-time set-up (``cold_setup_mib``: what ggnchunk's warm-up left resident, paid
+    before the call takes its baseline, issue 21) is not the budget's. Subtracting what
+    the set-up left can only overstate the rest (a transient of the set-up itself may
+    be the whole peak), so this is an upper bound on the budgeted work's peak.
+    """
+    row = row or {}
+    peak = row.get("cold_peak_mib")
+    if peak is None:
+        return None
+    return max(0.0, peak - (row.get("cold_setup_mib") or 0.0))
+
+
 def first_call_targets(problem: str, records: list[dict]) -> list[dict]:
     """Issue 21's targets of one problem: ggnchunk's first call in a fresh process.
 
@@ -267,7 +283,8 @@ def first_call_targets(problem: str, records: list[dict]) -> list[dict]:
         if row is None:
             continue
         target = f"{name}: peak {low:.0%}–{high:.0%} of the budget (first call, warm call)"
-        first, warm = _budget_use(row, "cold_peak_mib"), _budget_use(row, "peak_mib")
+        first = _budget_use({**row, "first": _first_call_peak(row)}, "first")
+        warm = _budget_use(row, "peak_mib")
         if not _ok(row):
             met, measured = False, f"{name} fails: {_short_error(row, 60)}"
         elif "cold_error" in row:
@@ -289,8 +306,8 @@ def first_call_table(groups: dict[str, list[dict]]) -> str:
     """Markdown: per problem and method, the first call against warm calls (issue 21)."""
     head = [
         "problem", "method", "budget [MiB]", "first call [s]", "warm call [s]",
-        "first ÷ warm", "first-call peak [MiB]", "warm peak [MiB]",
-        "first-call peak ÷ budget", "warm peak ÷ budget",
+        "first ÷ warm", "set-up [s]", "first-call peak [MiB]", "set-up [MiB]",
+        "warm peak [MiB]", "first-call peak ÷ budget", "warm peak ÷ budget",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for problem, records in groups.items():
@@ -315,7 +332,11 @@ def first_call_table(groups: dict[str, list[dict]]) -> str:
                 if "cold_error" in r
                 else _fmt(r.get("cold_peak_mib"), ",.1f")
             )
-            use_first = _budget_use(r, "cold_peak_mib") if "cold_error" not in r else None
+            use_first = (
+                _budget_use({**r, "first": _first_call_peak(r)}, "first")
+                if "cold_error" not in r
+                else None
+            )
             cells = [
                 title,
                 r["label"],
@@ -323,7 +344,9 @@ def first_call_table(groups: dict[str, list[dict]]) -> str:
                 first_s,
                 _fmt(r.get("median_s"), ".3f"),
                 _fmt(_first_ratio(r), ".2f", "×"),
+                _fmt(r.get("first_call_setup_s"), ".3f"),
                 first_peak,
+                _fmt(r.get("cold_setup_mib"), ",.1f"),
                 _fmt(r.get("peak_mib"), ",.1f"),
                 _fmt(use_first, ".0%"),
                 _fmt(_budget_use(r, "peak_mib"), ".0%"),
@@ -487,6 +510,13 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
         + summary(env, groups)
         + "\n\nFirst call in a fresh process against warm calls (issue 21):\n\n"
         + first_call_table(groups)
+        + "\n\n*set-up*: the process's one-time set-up that ggnchunk's first call with "
+        "a budget pays before it takes its memory baseline (kernels paged in by a small "
+        "warm-up computation; `GGNReport.setup_seconds` and `setup_bytes`): its time is "
+        "inside the first call's, its memory is not the budget's. *first-call peak* "
+        "counts from before the call (set-up included); *first-call peak ÷ budget* "
+        "counts from after the set-up (the peak less what the set-up left resident, an "
+        "upper bound on the budgeted work's peak)."
         + "\n\nAll figures:\n\n"
         + "\n".join(lines)
         + f"\n\nTargets (issues 13 and 21): {met} of {applicable} met"

@@ -6,6 +6,7 @@ The public API is exactly what this module exports.
 from ggnchunk._api import (
     ChunkOptions,
     GGNReport,
+    clear_autotune_cache,
     diag_ggn,
     kron_ggn,
     loss_grad_and_diag_ggn,
@@ -23,7 +24,6 @@ from ggnchunk._scheduling import (
     MemoryBudgetWarning,
     OutOfMemoryRecoveryWarning,
     ScheduleReport,
-    clear_autotune_cache,
     plan_chunks,
 )
 from ggnchunk._sqrt_hessians import NotConvexWarning, ZeroHessianWarning, register_loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ggnchunk import _scheduling, _windows
 from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import rank_and_size, resolve_group
 from ggnchunk._engine import (
@@ -60,6 +62,13 @@ class GGNReport:
         window_ends: Where windowed columns became dense vectors (their boxes covered
             most of the map there), ``{place: reason}``; empty if they stayed windowed
             to the end or no pass was windowed.
+        setup_seconds: Time this call spent on the process's one-time set-up (kernels
+            paged in by a small warm-up computation, ``torch.func``'s set-up), paid
+            once per process and kind of layer by the first call with ``max_memory``
+            or ``chunk_size="auto"``; 0 on later calls and without a budget.
+        setup_bytes: Resident memory that set-up left behind (code pages, libraries).
+            It is paid before the call's memory baseline: ``max_memory`` counts from
+            after it, as it would on a later call.
     """
 
     num_columns: int = 0
@@ -68,6 +77,8 @@ class GGNReport:
     lean: bool = False
     windowed: bool = False
     window_ends: dict[str, str] = field(default_factory=dict)
+    setup_seconds: float = 0.0
+    setup_bytes: int = 0
 
     @property
     def chunk_size(self) -> int:
@@ -245,6 +256,20 @@ def _cache_key(problem: Problem, batch: Batch) -> tuple:
     )  # fmt: skip
 
 
+def clear_autotune_cache() -> None:
+    """Forget what earlier calls measured to choose how to run.
+
+    Budget and auto modes remember their chunk sizes and memory fits, and image-shaped
+    outputs remember whether windowed or dense passes were measured faster, each per
+    problem (model structure, loss, shapes, dtype, device, threads), so that later calls
+    on the same problem skip the measuring. Clear them after changing something these
+    keys do not see (the machine's load, the allocator's settings) or for timings that
+    include the measuring.
+    """
+    _scheduling.clear_autotune_cache()
+    _windows.forget_choices()
+
+
 @dataclass
 class _Evaluation:
     """What one batch gives: loss, gradient and diagonal, as lists in parameter order."""
@@ -280,11 +305,15 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
-def _warm_up(problem: Problem) -> None:
-    """The process's one-time set-up for this problem, before the call's baseline."""
-    warm_up_for(problem.model, problem.dtype, problem.device)
+def _warm_up(problem: Problem) -> bool:
+    """The process's one-time set-up for this problem, before the call's baseline.
+
+    Returns whether anything was set up now (``False`` once the process has it).
+    """
+    ran = warm_up_for(problem.model, problem.dtype, problem.device)
     if isinstance(problem.handler, AutogradLossSqrtHessian):  # torch.func factorizes
-        ensure_batched_autograd()
+        ran = ensure_batched_autograd() or ran
+    return ran
 
 
 def _needs_batched_autograd(run: GGNComputation) -> bool:
@@ -316,15 +345,23 @@ def _needs_batched_autograd(run: GGNComputation) -> bool:
     return False
 
 
-def _set_up_outside(tracker: MemoryBackend, set_up) -> int:
-    """Run a one-time set-up in the middle of a call; return the bytes it left resident.
+def _set_up_outside(
+    tracker: MemoryBackend, set_up: Callable[[], Any], report: GGNReport,
+    rise: bool = False,
+) -> int:  # fmt: skip
+    """Run a one-time set-up outside the budget; note its time and memory in ``report``.
 
-    The baseline moves up by them, as if the set-up had run before it.
+    Returns the memory in use after it (settled), or with ``rise`` the bytes it left
+    resident (the baseline moves up by them, as if the set-up had run before it).
     """
-    before = getattr(tracker, "settled", tracker.current)()
-    if not set_up():
-        return 0
-    return max(0, getattr(tracker, "settled", tracker.current)() - before)
+    settled = getattr(tracker, "settled", tracker.current)  # user trackers
+    clock, before = time.perf_counter(), settled()
+    if set_up() is False:  # already done in this process
+        return 0 if rise else before
+    after = settled()
+    report.setup_seconds += time.perf_counter() - clock
+    report.setup_bytes += max(0, after - before)
+    return max(0, after - before) if rise else after
 
 
 def _plan_for_budget(
@@ -423,21 +460,20 @@ def _compute(
         if options.measured
         else None
     )
+    baseline = None
     if tracker is not None:  # one-time set-up is not the budget's: pay it first
-        _warm_up(problem)
-    baseline = (
-        getattr(tracker, "settled", tracker.current)() if tracker is not None else None
-    )
+        baseline = _set_up_outside(tracker, lambda: _warm_up(problem), report)
     bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop] if targets is not None else None
         quantity = spec(problem, stop - start)
-        run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling)
+        key = _cache_key(problem, part)
+        run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling, key)
         with run:
             run.forward()
         if tracker is not None and _needs_batched_autograd(run):
-            baseline += _set_up_outside(tracker, ensure_batched_autograd)
+            baseline += _set_up_outside(tracker, ensure_batched_autograd, report, True)
         columns = run.num_columns
         report.num_columns = columns
         first, last, local = 0, columns, options
@@ -447,7 +483,7 @@ def _compute(
             num_chunks=local.num_chunks, chunk_size=local.chunk_size,
             max_memory=local.max_memory, device=problem.device,
             recover_oom=local.recover_oom, what="columns", tracker=tracker,
-            cache_key=_cache_key(problem, part),
+            cache_key=key,
         )  # fmt: skip
 
         def backward(a: int, b: int, run=run, first=first) -> None:

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -304,6 +304,9 @@ class GGNComputation:
         quantity: What the sweeps compute (:mod:`ggnchunk._quantities`), for this
             forward pass.
         sampling: Monte-Carlo columns instead of the exact square root (``None``: exact).
+        key: The problem's key (model structure, loss, shapes, ...), under which the
+            windowed/dense trial's outcome is remembered for later calls; ``None``:
+            nothing remembered.
     """
 
     def __init__(
@@ -314,6 +317,7 @@ class GGNComputation:
         scale: float,
         quantity: Quantity,
         sampling: Sampling | None = None,
+        key: Hashable | None = None,
     ):
         self._problem = problem
         self._batch = batch
@@ -324,7 +328,7 @@ class GGNComputation:
         self._recording = Recording(
             problem.units, problem.params, batch.size, quantity.every_product
         )
-        self._windows = windows.Choice()
+        self._windows = windows.Choice(key)
         self._inplace: list[nn.Module] = []
         self._output: Tensor | None = None
         self._loss: Tensor | None = None

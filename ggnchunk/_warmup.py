@@ -108,7 +108,7 @@ def _run(build: Callable[[], tuple[nn.Module, tuple[int, ...]]], dtype, device) 
     diag_ggn(model, nn.MSELoss(), x, torch.rand_like(y), num_chunks=chunks)
 
 
-def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
     """Pay the one-time set-up of ``model``'s kinds of layers now, once per process.
 
     Runs tiny problems (a few milliseconds each after the first) under a forked random
@@ -118,9 +118,12 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
         model: The user's model (only the classes of its modules are read).
         dtype: The computation's dtype.
         device: Where it runs.
+
+    Returns:
+        Whether anything was set up now (``False`` when the process had it all).
     """
     if getattr(_ACTIVE, "on", False):
-        return
+        return False
     kinds: set = {None}
     for module in model.modules():
         if isinstance(module, _WINDOWED):
@@ -131,7 +134,7 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                 break
     todo = [k for k in kinds if (k, dtype, str(device)) not in _WARMED]
     if not todo:
-        return
+        return False
     devices = [device] if device.type == "cuda" else []
     with _LOCK, torch.random.fork_rng(devices=devices):
         _ACTIVE.on = True
@@ -150,6 +153,7 @@ def warm_up_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                 _WARMED.add((kind, dtype, str(device)))
         finally:
             _ACTIVE.on = False
+    return True
 
 
 def _name(kind: type | str | None) -> str:

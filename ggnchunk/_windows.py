@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -29,11 +31,13 @@ from torch import Tensor
 
 __all__ = [
     "ENABLED",
+    "Choice",
     "MAX_FILL",
     "Windowed",
     "add",
     "dense",
     "end_of",
+    "forget_choices",
     "gather",
     "valid",
     "window",
@@ -54,6 +58,13 @@ TRIAL = True
 """Measure the first passes both ways and keep the faster path (off: always windows)."""
 
 
+_DECIDED: OrderedDict[Hashable, bool] = OrderedDict()
+"""Trials' outcomes by problem (model structure, loss, shapes, dtype, device, threads),
+at most ``_DECIDED_SIZE``, least recently used first: later calls on the same problem
+skip the trial, as the autotune cache lets them skip timing chunk sizes."""
+_DECIDED_SIZE = 256
+
+
 class Choice:
     """Whether a forward pass's sweeps carry windows: measured, not guessed.
 
@@ -61,15 +72,25 @@ class Choice:
     the maps, how much glue there is). The first pass runs windowed (it pays the
     one-time caches); the second is the trial: a part of it (what a dense pass may hold
     under the budget, a tenth at most) runs dense, the rest windowed, and the path with
-    the smaller time per column takes every later pass.
+    the smaller time per column takes every later pass. The outcome is remembered under
+    ``key``: a later call on the same problem starts from it and runs no trial.
+
+    Args:
+        key: The problem's key (``None``: nothing remembered).
 
     Attributes:
         choice: ``True`` (windows), ``False`` (dense) or ``None`` (not decided yet).
         passes: Windowed passes before the trial.
+        remembered: Whether ``choice`` came from an earlier call's trial.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, key: Hashable | None = None) -> None:
+        self.key = key
         self.choice: bool | None = None
+        self.remembered = False
+        if key is not None and key in _DECIDED:
+            _DECIDED.move_to_end(key)
+            self.choice, self.remembered = _DECIDED[key], True
         self.passes = 0
 
     @property
@@ -85,6 +106,16 @@ class Choice:
             dense: Seconds per column of its dense part.
         """
         self.choice = windowed <= dense
+        if self.key is not None:
+            _DECIDED[self.key] = self.choice
+            _DECIDED.move_to_end(self.key)
+            while len(_DECIDED) > _DECIDED_SIZE:
+                _DECIDED.popitem(last=False)
+
+
+def forget_choices() -> None:
+    """Forget the trials' outcomes (``clear_autotune_cache`` calls it)."""
+    _DECIDED.clear()
 
 
 class Windowed:

@@ -84,3 +84,29 @@ def test_the_first_call_plans_as_a_warm_call(problem, budget_mib):
     assert first["passes"] <= 1.25 * second["passes"] + 1, (first, second)
     for call in (first, second):
         assert call["peak_mib"] - call["code_mib"] <= 1.1 * budget_mib, (first, second)
+
+
+_SET_UP = """
+import json, torch, ggnchunk
+from benchmarks import problems
+torch.set_num_threads(1)
+model, loss, x, y = problems.build("mlp_ae")
+out = []
+for kwargs in ({"num_chunks": 4}, {"max_memory": "64MiB"}, {"max_memory": "64MiB"}):
+    _, report = ggnchunk.diag_ggn(model, loss, x, y, return_report=True, **kwargs)
+    out.append([report.setup_seconds, report.setup_bytes])
+print(json.dumps(out))
+"""
+
+
+def test_the_report_shows_the_one_time_set_up_of_the_first_budgeted_call():
+    """Paid once per process by the first call that measures memory, outside its budget."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _SET_UP],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    unbudgeted, first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert unbudgeted == [0.0, 0]  # no budget: nothing is set up
+    assert first[0] > 0 and first[1] >= 0  # the warm-up ran, before the baseline
+    assert second == [0.0, 0]  # once per process

@@ -102,6 +102,14 @@ class ConvVAE(nn.Module):
         return self.dec(h)
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_choices():
+    """Each test runs its own trial (outcomes are remembered per problem otherwise)."""
+    _windows.forget_choices()
+    yield
+    _windows.forget_choices()
+
+
 def _conv_stack(padding_mode: str) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1, padding_mode=padding_mode), nn.Tanh(),
@@ -473,3 +481,40 @@ def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, mon
     )
     assert report.windowed is windowed
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
+
+
+def test_the_trials_outcome_is_remembered_for_later_calls(monkeypatch):
+    """A later call on the same problem skips the trial; a new shape runs its own."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    trials = []
+    decide = _windows.Choice.decide
+
+    def counted(self, windowed, dense):
+        trials.append(self.key is not None)
+        decide(self, windowed, dense)
+
+    monkeypatch.setattr(_windows.Choice, "decide", counted)
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    expected = _expected("tutorial-ae", "mse")
+    for _ in range(3):
+        actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=4)
+        assert_diag_close(actual, expected, rtol=1e-9)
+    assert trials == [True]  # the first call's trial only
+    ggnchunk.diag_ggn(model, loss_func, x[:1], targets[:1], num_chunks=4)
+    assert len(trials) == 2  # another batch shape: another problem
+    ggnchunk.clear_autotune_cache()
+    ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=4)
+    assert len(trials) == 3  # forgotten
+
+
+def test_remembered_choices_are_bounded(monkeypatch):
+    monkeypatch.setattr(_windows, "_DECIDED_SIZE", 3)
+    for key in range(5):
+        choice = _windows.Choice(key)
+        choice.decide(windowed=1.0, dense=2.0)
+    assert list(_windows._DECIDED) == [2, 3, 4]
+    again = _windows.Choice(3)
+    assert again.remembered and again.choice is True and not again.trial_next
+    assert list(_windows._DECIDED) == [2, 4, 3]  # most recently used last
