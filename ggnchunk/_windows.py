@@ -372,23 +372,41 @@ def gather(
         ``[V, N, C, *box]``.
     """
     v = start.shape[0]
+    if values.dim() == len(size) + 2:  # one map: its boxes at every start, then pick
+        return _boxes_of_one_map(values, start, tuple(box), tuple(size))
     index, inside = _positions(start, tuple(box), tuple(size))
     pb = index.shape[1]
-    if values.dim() == len(size) + 2:  # one map: index its positions directly
-        n, c = values.shape[:2]
-        flat = values.reshape(n, c, -1)
-        out = flat[:, :, index.view(-1)].view(n, c, v, pb).permute(2, 0, 1, 3)
-    else:
-        n, c = values.shape[1:3]
-        free = n > 1 and values.stride(1) == 0
-        flat = values[:, :1] if free else values
-        flat = flat.reshape(v, flat.shape[1], c, -1)
-        out = torch.gather(flat, 3, index.view(v, 1, 1, pb).expand(v, flat.shape[1], c, pb))
-        if free:
-            out = out.expand(v, n, c, pb)
+    n, c = values.shape[1:3]
+    free = n > 1 and values.stride(1) == 0
+    flat = values[:, :1] if free else values
+    flat = flat.reshape(v, flat.shape[1], c, -1)
+    out = torch.gather(flat, 3, index.view(v, 1, 1, pb).expand(v, flat.shape[1], c, pb))
+    if free:
+        out = out.expand(v, n, c, pb)
     if not bool(inside.all()):
         out = out * inside.view(v, 1, 1, pb).to(out.dtype)
     return out.reshape(v, out.shape[1], c, *box)
+
+
+def _boxes_of_one_map(
+    values: Tensor, start: Tensor, box: tuple[int, ...], size: tuple[int, ...]
+) -> Tensor:
+    """:func:`gather` of one map ``[N, C, *size]``: a view of every box, then picked.
+
+    The map is zero-padded by what the boxes reach outside it, its boxes at every start
+    are a strided view (``unfold``, nothing copied), and one indexing copies the chosen
+    ones: no flat index per entry and no mask of the entries outside.
+    """
+    dims = len(size)
+    low = [max(0, -int(start[:, d].min())) for d in range(dims)]
+    high = [max(0, int(start[:, d].max()) + box[d] - size[d]) for d in range(dims)]
+    pad = [p for d in reversed(range(dims)) for p in (low[d], high[d])]
+    padded = torch.nn.functional.pad(values, pad) if any(pad) else values
+    view = padded
+    for d in range(dims):
+        view = view.unfold(2 + d, box[d], 1)  # [N, C, *starts, *box]
+    picked = view[(slice(None), slice(None), *(start[:, d] + low[d] for d in range(dims)))]
+    return picked.movedim(2, 0)  # [V, N, C, *box]
 
 
 def window(values: Tensor) -> Windowed | Tensor:
