@@ -362,6 +362,7 @@ class GGNComputation:
 
     def close(self) -> None:
         """Free the graph and everything recorded (the diagonal stays)."""
+        self._recording.images.clear()
         self._recording.calls.clear()
         self._recording = None  # type: ignore[assignment]
         self._output = self._loss = self._sqrt = None
@@ -504,26 +505,32 @@ class GGNComputation:
         # with the forward pass) and the sweeps add to them in place
         fixed = self.quantity.fixed_bytes(self._recording, element)
         if self._windowed(self._require_sqrt()):
-            # a windowed pass carries GroupNorm's fields, dense maps per sample that
-            # travel like extra columns: two per group of every GroupNorm at most
+            # a windowed pass carries fields (GroupNorm's), dense maps per sample that
+            # travel like extra columns; their images are kept for the later passes
+            # (what the cache may still add: it never holds more than it is given)
+            recording = self._recording
             fields = sum(
-                2 * call.ctx.module.num_groups for call in self._recording.calls
-                if isinstance(call.ctx.module, nn.GroupNorm) and call.leaf is not None
+                call.rule.field_count(call.ctx) for call in recording.calls
+                if call.leaf is not None
             )  # fmt: skip
             if fields:
-                fixed += fields * self._recording.column_bytes(element)
+                fixed += fields * recording.column_bytes(element)
+                recording.images.plan(recording.field_image_bytes(element))
+                fixed += recording.images.unbuilt_bytes()
         return fixed
 
     def set_lean(self, lean: bool) -> None:
         """Keep no recomputable per-forward caches (for tight budgets), or keep them.
 
         Lean sweeps unfold a convolution's input one sample at a time in every chunk
-        instead of once per forward pass: less memory, more time. Call before the first
-        backward pass; :meth:`fixed_bytes` follows.
+        instead of once per forward pass, and map windowed fields again in every pass:
+        less memory, more time. Call before the first backward pass;
+        :meth:`fixed_bytes` follows.
 
         Args:
             lean: Whether to run lean.
         """
+        self._recording.images.set_enabled(not lean)
         for call in self._recording.calls:
             call.ctx.lean = lean
             if lean:
@@ -608,6 +615,8 @@ class GGNComputation:
             else:
                 seed = sqrt.columns(start, stop)
             self._recording.sweep(seed, self.quantity)
+            if windowed:  # the fields' images the later passes reuse are all kept
+                self._recording.images.freeze()
         except BaseException:
             self.quantity.abort()
             raise

@@ -49,7 +49,7 @@ from ggnchunk._autograd import (
 from ggnchunk._checks import user_stacklevel
 from ggnchunk._quantities import Quantity
 from ggnchunk._rules import LayerRule, RuleContext
-from ggnchunk._windows import Windowed, attach, dense
+from ggnchunk._windows import FieldCache, Windowed, attach, dense, joined_coeffs, window
 from ggnchunk._windows import add as add_vectors
 
 __all__ = ["Call", "Recording", "SampleCouplingError", "SlowBackwardWarning"]
@@ -96,20 +96,20 @@ class _Waiting:
     """The vectors a traversal holds between steps: at layer outputs and glue sources.
 
     Vectors (or sizes) meeting at one place are added; sizes of one place are equal, so
-    their "sum" is one of them.
+    their "sum" is one of them. Blocks' joined fields are kept in ``images``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, images: FieldCache | None = None) -> None:
         self.outs: dict[EdgeKey, Any] = {}
         self.srcs: dict[EdgeKey, Any] = {}
+        self.images = images
 
-    @staticmethod
-    def add(store: dict[EdgeKey, Any], key: EdgeKey, value: Any) -> None:
+    def add(self, store: dict[EdgeKey, Any], key: EdgeKey, value: Any) -> None:
         old = store.get(key)
         if old is None:
             store[key] = value
         elif not isinstance(value, int):
-            store[key] = add_vectors(old, value)
+            store[key] = add_vectors(old, value, self.images)
 
     def total(self) -> int:
         """Elements waiting (size traversals)."""
@@ -157,6 +157,7 @@ class Recording:
         self._seen: dict[tuple[str, int], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
         self.windowed_sweeps = 0
+        self.images = FieldCache()  # the windowed fields' images, reused by every sweep
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -218,6 +219,7 @@ class Recording:
         x = leaf if leaf is not None else entry[3]
         ctx = RuleContext(module, (x,), (version,), tuple(output.shape))
         ctx.node = output.grad_fn
+        ctx.index, ctx.images = len(self.calls), self.images
         rule.record(ctx)
         params = [
             (self._param_index[id(p)], pname)
@@ -443,6 +445,34 @@ class Recording:
         transient = max((_rule_bytes(call, element)[2] for call in self.calls), default=0)
         return kept + transient
 
+    def field_image_bytes(self, element: int) -> int:
+        """What a windowed sweep can keep of its fields' images (:attr:`images`).
+
+        Fields made by the calls after a place can reach it (``K`` of them, each a map
+        per sample): their images at every call's input and output (after glue and
+        where blocks meet), at glue sources, and their per-sample parameter products.
+        An estimate to reserve: the cache never holds more than it was given.
+
+        Args:
+            element: Bytes per element.
+
+        Returns:
+            Bytes.
+        """
+        after, total = 0, 0  # fields made by the calls after the current one
+        reaching: dict[int, int] = {}  # call index -> fields reaching its input
+        for call in reversed(self.calls):
+            params = sum(self._params[i].numel() for i, _ in call.params)
+            total += after * (call.out_numel + params)
+            if call.leaf is not None:
+                after += call.rule.field_count(call.ctx)
+                total += after * call.ctx.x[0].numel()
+            reaching[call.index] = after
+        for source in self._sources.values():
+            if not source.direct and source.key != self.output_key:
+                total += reaching.get(source.last_consumer, 0) * source.numel
+        return total * self._batch * element
+
     # -- sweeps ----------------------------------------------------------------------
     @property
     def params(self) -> list[nn.Parameter]:
@@ -474,15 +504,15 @@ class Recording:
             if split is not None:  # torch.cat along channels: the boxes stay
                 return [(edge, split[edge_key(edge)]) for edge in source.frontier]
             if source.frontier:
-                # a block crosses as its windowed part made dense and its fields, and
-                # is windowed again from the values it reaches
-                vectors = grads if block is None else block.stacked()
+                # a block crosses as its windowed part made dense, windowed again from
+                # the values it reaches; its fields cross apart (once per forward pass)
+                vectors = grads if block is None else block.windowed_part().dense()
                 with noting(self._note(source)):
                     results = quantity.through(source, vectors)
                 del vectors
                 if block is not None:
                     self._by_values = True
-                    results = [block.split(r) for r in results]
+                    results = self._glue_fields(source, block, results, quantity)
                     self._window_ended(source, results)
                 found = list(zip(source.frontier, results, strict=True))
             if source.params:
@@ -533,18 +563,60 @@ class Recording:
         """A block through a call: the rule's windowed map (fields through its dense one).
 
         A rule without a windowed form maps the block's windowed part made dense, and the
-        result is windowed again from its values.
+        result is windowed again from its values. The fields at the call's input (the
+        block's, mapped, then those the rule adds) are the same in every sweep: made in
+        the first and kept in :attr:`images` under the call and the fields' origin.
         """
         part = block.windowed_part()
         back = call.rule.backprop_windowed(call.ctx, part)
         if back is None:
             self._seen["dense", call.index] = 1  # mapped as a dense copy
             self._by_values = True
-            back = block.split(self._backprop_dense(call, block.stacked()))
-        elif block.fields is not None:
-            back = attach(back, self._backprop_dense(call, block.fields), block.coeffs)
+            back = window(self._backprop_dense(call, part.dense()))
+        own = back if isinstance(back, Windowed) and back.has_fields else None
+        if block.has_fields or own is not None:
+            key = self.images.key("call", call.index, block=block)
+
+            def make() -> Tensor:
+                parts = []
+                if block.has_fields:
+                    parts.append(self._backprop_dense(call, block.fields))
+                if own is not None:
+                    parts.append(own.fields)
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            fields = self.images.get(key, make)
+            coeffs = joined_coeffs(
+                [b.coeffs for b in (block, own) if b is not None and b.has_fields]
+            )
+            if own is not None:
+                back = own.windowed_part()
+            back = attach(back, fields, coeffs, key)
         self._window_ended(call, [back])
         return back
+
+    def _glue_fields(
+        self, source: _Source, block: Windowed, results: tuple[Any, ...],
+        quantity: Quantity,
+    ) -> list[Any]:  # fmt: skip
+        """The windowed part's images through glue, windowed, with the fields' images.
+
+        The fields cross the glue once per forward pass (kept in :attr:`images`).
+        """
+        fields: tuple[Any, ...] = (None,) * len(results)
+        key = None
+        if block.has_fields:
+            key = self.images.key("glue", source.key, block=block)
+
+            def make() -> tuple[Any, ...]:
+                with noting(self._note(source)):
+                    return tuple(quantity.through(source, block.fields))
+
+            fields = self.images.get(key, make)
+        return [
+            attach(window(r), f, block.coeffs, None if key is None else (key, i))
+            for i, (r, f) in enumerate(zip(results, fields, strict=True))
+        ]
 
     def _split_channels(
         self, source: _Source, block: Windowed
@@ -572,11 +644,18 @@ class Recording:
             width = self.calls[self._out_keys[key]].ctx.out_shape[1]
             channels = slice(offset, offset + width)
             offset += width
-            fields = None if block.fields is None else block.fields[:, :, channels]
+            fields, origin = None, None
+            if block.has_fields:  # a view: nothing to keep
+                fields = block.fields[:, :, channels]
+                if block.origin is not None:
+                    origin = ("channels", offset - width, width, block.origin)
             part = Windowed(
-                block.data[:, :, channels], block.start, block.size, fields, block.coeffs
+                block.data[:, :, channels], block.start, block.size, fields, block.coeffs,
+                origin,
             )  # fmt: skip
-            parts[key] = add_vectors(parts[key], part) if key in parts else part
+            if key in parts:
+                part = add_vectors(parts[key], part, self.images)
+            parts[key] = part
         if offset != block.data.shape[2]:
             return None
         return parts
@@ -716,7 +795,7 @@ class Recording:
             visit: Called with ``(where, vectors)`` at every layer output and input.
             waiting: Where the vectors wait between steps (sizes: read by the caller).
         """
-        waiting = _Waiting() if waiting is None else waiting
+        waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
 
         def push(key: EdgeKey, value: Tensor) -> None:

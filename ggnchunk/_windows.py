@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "ENABLED",
     "Choice",
     "MAX_FILL",
+    "FieldCache",
     "Windowed",
     "add",
     "dense",
@@ -125,7 +126,9 @@ class Windowed:
     part, and a few dense maps per sample (``fields``) that every column of the sample
     adds with its own coefficients. Normalizations over positions (GroupNorm) add them:
     their backward is local but for two directions per group that are the same for
-    every column of a sample.
+    every column of a sample. The fields do not depend on the chunk (only the
+    coefficients do): ``origin`` names where they were made and which maps moved them,
+    so that a sweep can reuse them from the last one (:class:`FieldCache`).
 
     Args:
         data: ``[V, N, C, *box]``; entries outside the map are zero. The sample axis may
@@ -133,21 +136,39 @@ class Windowed:
         start: ``[V, d]`` (int64): each column's box start per spatial axis; may be
             negative or reach past the map.
         size: The map's spatial size ``S`` (``d`` entries).
-        fields: ``[K, N, C, *S]`` or ``None``.
+        fields: ``[K, N, C, *S]``, or a function that makes them when they are first
+            read (a rule's own fields, which a cached image may replace unmade), or
+            ``None``.
         coeffs: ``[V, N, K]`` or ``None`` (with ``fields``).
+        origin: A hashable key for the fields (the same key: the same maps in every
+            sweep of the forward pass), or ``None`` where it is not known.
     """
 
-    __slots__ = ("coeffs", "data", "fields", "size", "start")
+    __slots__ = ("_fields", "coeffs", "data", "origin", "size", "start")
 
     def __init__(
         self, data: Tensor, start: Tensor, size: tuple[int, ...],
-        fields: Tensor | None = None, coeffs: Tensor | None = None,
+        fields: Tensor | Callable[[], Tensor] | None = None, coeffs: Tensor | None = None,
+        origin: Hashable | None = None,
     ):  # fmt: skip
         self.data = data
         self.start = start
         self.size = tuple(size)
-        self.fields = fields
+        self._fields = fields
         self.coeffs = coeffs
+        self.origin = origin
+
+    @property
+    def fields(self) -> Tensor | None:
+        """``[K, N, C, *S]`` or ``None`` (made now if they were left to be made)."""
+        if callable(self._fields):
+            self._fields = self._fields()
+        return self._fields
+
+    @property
+    def has_fields(self) -> bool:
+        """Whether the block has fields (made or not)."""
+        return self._fields is not None
 
     @property
     def box(self) -> tuple[int, ...]:
@@ -174,7 +195,7 @@ class Windowed:
 
     def windowed_part(self) -> Windowed:
         """The block without its fields."""
-        if self.fields is None:
+        if not self.has_fields:
             return self
         return Windowed(self.data, self.start, self.size)
 
@@ -185,7 +206,7 @@ class Windowed:
             A new tensor (a stride-0 sample axis stays one where there are no fields).
         """
         out = self._dense_data()
-        if self.fields is not None:
+        if self.has_fields:
             out = out + mix(self.coeffs, self.fields)
         return out
 
@@ -203,39 +224,6 @@ class Windowed:
         out = out.view(v, flat.shape[1], c, *self.size)
         return out.expand(v, n, *out.shape[2:]) if free else out
 
-    def stacked(self) -> Tensor:
-        """The windowed part dense, then the fields: ``[V + K, N, C, *S]``.
-
-        A linear map applied to these (batched over the first axis) gives both parts'
-        images; :meth:`split` puts them together again.
-
-        Returns:
-            The stacked vectors.
-        """
-        part = self._dense_data()
-        if self.fields is None:
-            return part
-        return torch.cat(
-            [part.expand(-1, self.fields.shape[1], *part.shape[2:]), self.fields]
-        )
-
-    def split(self, result: Tensor | None) -> Windowed | Tensor | None:
-        """The image of :meth:`stacked` under a linear map, as a block again.
-
-        The windowed part is windowed again from its values (:func:`window`).
-
-        Args:
-            result: ``[V + K, N, ...]`` (``None``: the map reached nothing).
-
-        Returns:
-            A block (or dense vectors where the boxes fill the map).
-        """
-        if result is None:
-            return None
-        v = self.data.shape[0]
-        fields = None if self.fields is None else result[v:]
-        return attach(window(result[:v]), fields, self.coeffs)
-
     def rebox(self, start: Tensor, box: tuple[int, ...]) -> Windowed:
         """The windowed part on other boxes (entries outside the old box are zero).
 
@@ -249,7 +237,7 @@ class Windowed:
         if tuple(box) == self.box and torch.equal(start, self.start):
             return self
         data = gather(self.data, start - self.start, box, self.box)
-        return Windowed(data, start, self.size, self.fields, self.coeffs)
+        return Windowed(data, start, self.size, self._fields, self.coeffs, self.origin)
 
     def expanded(self, samples: int) -> Windowed:
         """The block with a one-sample axis expanded (stride 0) to ``samples``.
@@ -261,7 +249,7 @@ class Windowed:
             The same vectors for every sample.
         """
         data = self.data.expand(self.data.shape[0], samples, *self.data.shape[2:])
-        return Windowed(data, self.start, self.size, self.fields, self.coeffs)
+        return Windowed(data, self.start, self.size, self._fields, self.coeffs, self.origin)
 
     def with_data(self, data: Tensor) -> Windowed:
         """The same boxes with other values (``[V, N, C', *box]``), without fields.
@@ -273,6 +261,132 @@ class Windowed:
             A block on the same boxes.
         """
         return Windowed(data, self.start, self.size)
+
+
+class FieldCache:
+    """The fields' images of one forward pass, reused by all its sweeps.
+
+    A block's fields are dense maps that do not depend on the chunk: made by a
+    normalization, moved by every map the sweep crosses, turned into each layer's
+    per-sample products. Each such result is kept here under a key that names what
+    made it (:attr:`Windowed.origin`), so later sweeps compute only the coefficient
+    side. The cache never holds more than :attr:`capacity` bytes (what the memory
+    bound reserved for it; a result that does not fit is made again each time), keeps
+    nothing while disabled (lean passes), and is emptied by :meth:`clear`.
+
+    Attributes:
+        capacity: Most bytes held (``None``: not planned, no limit).
+        enabled: Whether results are kept.
+        made: Results computed (each a propagation or product of fields).
+        reused: Results taken from the cache instead.
+    """
+
+    def __init__(self) -> None:
+        self._images: dict[Hashable, Any] = {}
+        self._held = 0
+        self.capacity: int | None = None
+        self.frozen = False
+        self.enabled = True
+        self.made = 0
+        self.reused = 0
+
+    @staticmethod
+    def key(*parts: Hashable, block: Windowed | None = None) -> Hashable | None:
+        """The key of a result made from ``block``'s fields by ``parts``.
+
+        Args:
+            *parts: What makes the result (a kind and a place).
+            block: The block whose fields are mapped (``None``: no incoming fields).
+
+        Returns:
+            ``(*parts, block.origin)``, or ``None`` where the block's fields have no
+            known origin (the result is then never kept).
+        """
+        if block is None or not block.has_fields:
+            return parts
+        if block.origin is None:
+            return None
+        return (*parts, block.origin)
+
+    def get(self, key: Hashable | None, make: Callable[[], Any]) -> Any:
+        """The result under ``key``, made (and kept where it fits) if not held.
+
+        Args:
+            key: From :meth:`key` (``None``: made, never kept).
+            make: Makes the result (a tensor, or a tuple or dict of tensors); results
+                are shared, so nothing may change them in place.
+
+        Returns:
+            The result.
+        """
+        if key is not None and key in self._images:
+            self.reused += 1
+            return self._images[key]
+        value = make()
+        self.made += 1
+        if key is not None and self.enabled:
+            size = _nbytes(value)
+            if self.capacity is None or self._held + size <= self.capacity:
+                self._images[key] = value
+                self._held += size
+        return value
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the results held now."""
+        return self._held
+
+    def plan(self, capacity: int) -> None:
+        """Reserve ``capacity`` bytes (ignored once :meth:`freeze` was called).
+
+        Args:
+            capacity: Bytes the memory bound counts for the cache.
+        """
+        if not self.frozen:
+            self.capacity = capacity
+
+    def unbuilt_bytes(self) -> int:
+        """Bytes the cache may still add (what the memory bound counts beyond use)."""
+        if not self.enabled:
+            return 0
+        return max(0, (self.capacity or 0) - self._held)
+
+    def freeze(self) -> None:
+        """Keep what is held and nothing more (after a sweep: its keys recur)."""
+        self.capacity = self._held
+        self.frozen = True
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Keep results, or keep none (and drop those held).
+
+        Args:
+            enabled: Whether results are kept.
+        """
+        self.enabled = enabled
+        if not enabled:
+            self.clear()
+
+    def clear(self) -> None:
+        """Drop every result held."""
+        self._images.clear()
+        self._held = 0
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, tuple or dict), storages once."""
+    stack, seen, total = [value], set(), 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, Tensor):
+            ptr = item.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += item.untyped_storage().nbytes()
+    return total
 
 
 def mix(coeffs: Tensor, fields: Tensor) -> Tensor:
@@ -295,28 +409,70 @@ def mix(coeffs: Tensor, fields: Tensor) -> Tensor:
 
 
 def attach(
-    back: Windowed | Tensor, fields: Tensor | None, coeffs: Tensor | None
-) -> Windowed | Tensor:
+    back: Windowed | Tensor | None, fields: Tensor | None, coeffs: Tensor | None,
+    origin: Hashable | None = None,
+) -> Windowed | Tensor | None:  # fmt: skip
     """Mapped vectors with (mapped) fields added back: ``back + sum_k coeffs fields``.
 
     Args:
-        back: A block (whose own fields come after ``fields``) or dense vectors.
+        back: A block without fields, dense vectors, or ``None`` (nothing reached).
         fields: ``[K, N, ...]`` or ``None``.
         coeffs: ``[V, N, K]`` or ``None``.
+        origin: The fields' key (:attr:`Windowed.origin`).
 
     Returns:
         A block, or dense vectors.
     """
-    if fields is None:
+    if fields is None or back is None:
         return back
     if not isinstance(back, Windowed):
         return back + mix(coeffs, fields)
-    if back.fields is not None:
-        fields = torch.cat([fields, back.fields])
-        coeffs = torch.cat([coeffs, back.coeffs], 2)
     n = max(back.data.shape[1], fields.shape[1])
     coeffs = coeffs.expand(coeffs.shape[0], n, coeffs.shape[2])
-    return Windowed(back.data, back.start, back.size, fields, coeffs)
+    return Windowed(back.data, back.start, back.size, fields, coeffs, origin)
+
+
+def joined(
+    parts: list[Windowed], cache: FieldCache | None = None, key: Hashable | None = None
+) -> tuple[Tensor | None, Tensor | None, Hashable | None]:
+    """The fields and coefficients of blocks added together: both lists joined.
+
+    Args:
+        parts: Blocks (those without fields add nothing).
+        cache: Where the joined fields are kept (``None``: joined every time).
+        key: Their key in ``cache`` (``None``: from the parts' origins).
+
+    Returns:
+        ``(fields [K, N, ...], coeffs [V, N, K], origin)``, or ``None`` three times.
+    """
+    parts = [p for p in parts if p.has_fields]
+    if not parts:
+        return None, None, None
+    if len(parts) == 1:
+        return parts[0].fields, parts[0].coeffs, parts[0].origin
+    if key is None and all(p.origin is not None for p in parts):
+        key = ("joined", *(p.origin for p in parts))
+
+    def make() -> Tensor:
+        return torch.cat([p.fields for p in parts])
+
+    fields = make() if cache is None else cache.get(key, make)
+    return fields, joined_coeffs([p.coeffs for p in parts]), key
+
+
+def joined_coeffs(coeffs: list[Tensor]) -> Tensor:
+    """Coefficients of joined fields: ``[V, N, K_1 + K_2 + ...]`` (in that order).
+
+    Args:
+        coeffs: ``[V, N or 1, K_i]`` each.
+
+    Returns:
+        Them side by side (one-sample axes expanded).
+    """
+    if len(coeffs) == 1:
+        return coeffs[0]
+    n = max(c.shape[1] for c in coeffs)
+    return torch.cat([c.expand(c.shape[0], n, c.shape[2]) for c in coeffs], 2)
 
 
 def valid(start: Tensor, box: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
@@ -461,12 +617,13 @@ def dense(value: Any) -> Any:
     return value.dense() if isinstance(value, Windowed) else value
 
 
-def add(old: Any, value: Any) -> Any:
+def add(old: Any, value: Any, cache: FieldCache | None = None) -> Any:
     """Vectors meeting at one place, added (a block on the union of both boxes).
 
     Args:
         old: A block or tensor.
         value: A block or tensor.
+        cache: Where the joined fields are kept (:func:`joined`).
 
     Returns:
         Their sum.
@@ -480,9 +637,9 @@ def add(old: Any, value: Any) -> Any:
         box = tuple(int(b) for b in (hi - lo).max(0).values.tolist())
         if math.prod(box) <= MAX_FILL * math.prod(old.size):
             a, b = old.rebox(lo, box), value.rebox(lo, box)
+            fields, coeffs, origin = joined([a, b], cache)
             summed = Windowed(a.data + b.data, lo, old.size)
-            summed = attach(summed, b.fields, b.coeffs)
-            return attach(summed, a.fields, a.coeffs)
+            return attach(summed, fields, coeffs, origin)
     return dense(old) + dense(value)
 
 

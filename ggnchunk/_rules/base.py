@@ -102,6 +102,9 @@ class RuleContext:
         shared: The layer's parameters take the per-sample products' path.
         output: The layer produces the model output.
         node: The autograd node that produced the layer's output.
+        index: The call's place in the recorded order.
+        images: The forward pass's cache of windowed fields' images
+            (:class:`~ggnchunk._windows.FieldCache`; ``None``: none).
     """
 
     module: nn.Module
@@ -114,6 +117,8 @@ class RuleContext:
     shared: bool = False
     output: bool = False
     node: Any = None
+    index: int = -1
+    images: Any = None
 
     @property
     def x(self) -> Tensor:
@@ -241,11 +246,26 @@ class LayerRule(ABC):
         """The per-sample products of a block's fields (``[K, N, *param]``), or ``None``.
 
         A windowed diagonal adds ``sum_k coeffs[v, n, k]`` times these to each column's
-        own products before squaring.
+        own products before squaring. They are the same in every sweep of the forward
+        pass: kept in :attr:`RuleContext.images` where there is one.
         """
-        if block.fields is None:
+        if not block.has_fields:
             return None
-        return self.per_sample(ctx, block.fields)
+        if ctx.images is None:
+            return self.per_sample(ctx, block.fields)
+        key = ctx.images.key("products", ctx.index, block=block)
+        return ctx.images.get(key, lambda: self.per_sample(ctx, block.fields))
+
+    def field_count(self, ctx: RuleContext) -> int:
+        """Fields (dense maps per sample) :meth:`backprop_windowed` adds to a block.
+
+        Args:
+            ctx: The call's context.
+
+        Returns:
+            ``K`` of the fields the rule makes (0: none).
+        """
+        return 0
 
     def backprop_windowed(self, ctx: RuleContext, block: Any) -> Any:
         """:meth:`backprop` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.

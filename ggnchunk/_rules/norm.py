@@ -236,12 +236,17 @@ class GroupNormRule(_ChannelNormRule):
         mean_x = (data * near).reshape(v, n, g, -1).sum(3) / count
         rstd_c = rstd.view(n, g, 1).expand(n, g, c // g).reshape(n, c)
         local = data * rstd_c.view(1, n, c, *spatial)
-        # the fields: rstd on group j's channels, and rstd * x_hat there ([2G, N, C, *S])
-        member = torch.eye(g, dtype=data.dtype, device=data.device)
-        member = member.repeat_interleave(c // g, 1)  # [G, C]: channel c in group j
-        ones = (member.view(g, 1, c) * rstd_c.view(1, n, c)).view(g, n, c, *spatial)
-        ones = ones.expand(g, n, c, *block.size)
-        scaled = ones * maps.unsqueeze(0)
-        fields = torch.cat([ones, scaled])
+
+        def fields() -> Tensor:  # made when read: a sweep may reuse the last one's
+            # rstd on group j's channels, and rstd * x_hat there ([2G, N, C, *S])
+            member = torch.eye(g, dtype=data.dtype, device=data.device)
+            member = member.repeat_interleave(c // g, 1)  # [G, C]: channel c in group j
+            ones = (member.view(g, 1, c) * rstd_c.view(1, n, c)).view(g, n, c, *spatial)
+            ones = ones.expand(g, n, c, *block.size)
+            return torch.cat([ones, ones * maps.unsqueeze(0)])
+
         coeffs = -torch.cat([mean.expand(v, n, g), mean_x], 2)
         return Windowed(local, block.start, block.size, fields, coeffs)
+
+    def field_count(self, ctx):
+        return 2 * ctx.module.num_groups
