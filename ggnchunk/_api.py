@@ -380,6 +380,10 @@ def _plan_for_budget(
       column of the full bound does not fit the planning target (a budget that the
       caches nearly fill): the lean run's smaller bound is then the safer plan.
 
+    Both are chosen without the windowed fields' images (kept to save work in later
+    passes, never needed): a run that is not lean then gives them a quarter of the room
+    its bound leaves, at most, and always room for one column.
+
     Args:
         run: The computation, after its forward pass.
         budget: The budget in bytes.
@@ -394,6 +398,7 @@ def _plan_for_budget(
     def passes(cost: tuple[int, int]) -> float:
         return passes_within(budget, device, level, *cost, total)
 
+    run.limit_field_images(0)
     full = (run.fixed_bytes(total), run.column_bytes())
     # the least any plan reserves: the Gram form only where it wins for one column
     fewest = passes((run.fixed_bytes(1), full[1]))
@@ -410,6 +415,8 @@ def _plan_for_budget(
     ):
         return True
     run.set_lean(False)
+    room = target - level - run.fixed_bytes()
+    run.limit_field_images(int(max(0, min(room // 4, room - run.column_bytes()))))
     return False
 
 

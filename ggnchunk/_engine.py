@@ -519,6 +519,14 @@ class GGNComputation:
                 fixed += recording.images.unbuilt_bytes()
         return fixed
 
+    def limit_field_images(self, limit: int | None) -> None:
+        """The most bytes the windowed fields' kept images may take (before any pass).
+
+        Args:
+            limit: Bytes (``None``: what they could need, as :meth:`fixed_bytes` counts).
+        """
+        self._recording.images.limit = limit
+
     def set_lean(self, lean: bool) -> None:
         """Keep no recomputable per-forward caches (for tight budgets), or keep them.
 

@@ -276,6 +276,7 @@ class FieldCache:
 
     Attributes:
         capacity: Most bytes held (``None``: not planned, no limit).
+        limit: Most bytes :meth:`plan` may give (a budget's share; ``None``: none).
         enabled: Whether results are kept.
         made: Results computed (each a propagation or product of fields).
         reused: Results taken from the cache instead.
@@ -285,6 +286,7 @@ class FieldCache:
         self._images: dict[Hashable, Any] = {}
         self._held = 0
         self.capacity: int | None = None
+        self.limit: int | None = None
         self.frozen = False
         self.enabled = True
         self.made = 0
@@ -336,14 +338,14 @@ class FieldCache:
         """Bytes of the results held now."""
         return self._held
 
-    def plan(self, capacity: int) -> None:
-        """Reserve ``capacity`` bytes (ignored once :meth:`freeze` was called).
+    def plan(self, wanted: int) -> None:
+        """Reserve ``wanted`` bytes, at most :attr:`limit` (not once frozen).
 
         Args:
-            capacity: Bytes the memory bound counts for the cache.
+            wanted: Bytes the results could need (an estimate).
         """
         if not self.frozen:
-            self.capacity = capacity
+            self.capacity = wanted if self.limit is None else min(wanted, self.limit)
 
     def unbuilt_bytes(self) -> int:
         """Bytes the cache may still add (what the memory bound counts beyond use)."""
