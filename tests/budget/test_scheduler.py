@@ -377,9 +377,13 @@ class _FakeRun:
     def __init__(self, full, lean, gram_from=None):
         self.costs, self.lean = {False: full, True: lean}, False
         self.gram_from, self.columns = gram_from, None
+        self.field_limit = None
 
     def set_lean(self, lean):
         self.lean = lean
+
+    def limit_field_images(self, limit):
+        self.field_limit = limit
 
     def fixed_bytes(self, columns=None):
         if columns is not None:
@@ -412,6 +416,10 @@ def test_lean_runs_where_it_halves_the_passes_or_only_it_fits(
     chosen = _plan_for_budget(run, 100 * MiB, 5 * MiB, 100, torch.device("cpu"))
     assert chosen is expected and run.lean is expected
     assert (run.fixed_bytes(), run.column_bytes()) == (lean if expected else full)
+    # windowed fields' images: nothing while choosing; then, kept (not lean), a quarter
+    # of the room the bound leaves at most, and always room for one column
+    room = int(0.7 * 100 * MiB) - 5 * MiB - full[0]
+    assert run.field_limit == (0 if expected else max(0, min(room // 4, room - full[1])))
 
 
 # 40 MiB: the all-columns bound (31 MiB fixed) leaves no room in the 28 MiB planning

@@ -11,7 +11,9 @@ attention at the bottleneck, a Linear bottleneck and a VAE drawing noise in ``fo
 from __future__ import annotations
 
 import functools
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from torch import Tensor, nn
 
 import ggnchunk
 from ggnchunk import _engine, _windows
+from ggnchunk._quantities import DiagonalGGN
+from tests.lean import force_lean
+from tests.models import UNet
 from tests.reference import assert_diag_close, recorded_draws, reference_diag_ggn
 
 N = 2
@@ -518,3 +523,183 @@ def test_remembered_choices_are_bounded(monkeypatch):
     again = _windows.Choice(3)
     assert again.remembered and again.choice is True and not again.trial_next
     assert list(_windows._DECIDED) == [2, 4, 3]  # most recently used last
+
+
+# ------------------------------------------------- fields' images kept per forward pass
+
+
+class GeometricUNet(nn.Module):
+    """Two levels, GroupNorm, average pooling, nearest upsampling, channel-``cat`` skips.
+
+    Every box follows the layers' geometry (budgets window it), and GroupNorm's fields
+    travel through convolutions, activations, pooling, upsampling and both skips.
+    """
+
+    def __init__(self, channels: int = 2, width: int = 4):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.SiLU()
+            )
+
+        self.enc0 = block(channels, width)
+        self.enc1 = nn.Sequential(nn.AvgPool2d(2), block(width, 2 * width))
+        self.bottom = nn.Sequential(nn.AvgPool2d(2), block(2 * width, 2 * width))
+        self.up = nn.Upsample(scale_factor=2)
+        self.dec1 = block(4 * width, width)
+        self.dec0 = block(2 * width, width)
+        self.head = nn.Conv2d(width, channels, 1)
+
+    def forward(self, x):
+        e0 = self.enc0(x)
+        e1 = self.enc1(e0)
+        d1 = self.dec1(torch.cat([self.up(self.bottom(e1)), e1], dim=1))
+        return self.head(self.dec0(torch.cat([self.up(d1), e0], dim=1)))
+
+
+UNETS = {
+    "geometric-unet": lambda: GeometricUNet(),
+    # max pooling and bilinear upsampling: boxes read from values after them
+    "tests-models-unet": lambda: UNet(),
+}
+
+
+@functools.cache
+def _unet_problem(name: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    torch.manual_seed(3)
+    model = _randomized(UNETS[name]())
+    x = torch.randn(N, 2, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        targets = torch.randn_like(model(x))
+    return model, nn.MSELoss(), x, targets
+
+
+@functools.cache
+def _unet_expected(name: str) -> dict[str, Tensor]:
+    return reference_diag_ggn(*_unet_problem(name))
+
+
+def _tensors(value) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value
+    return [t for item in items for t in _tensors(item)]
+
+
+@pytest.fixture
+def field_caches(monkeypatch):
+    """Every :class:`FieldCache` made, and weak references to every result computed."""
+    caches, results = [], []
+    init, get = _windows.FieldCache.__init__, _windows.FieldCache.get
+
+    def spy_init(self):
+        init(self)
+        caches.append(self)
+
+    def spy_get(self, key, make):
+        def made():
+            value = make()
+            results.extend(weakref.ref(t) for t in _tensors(value))
+            return value
+
+        return get(self, key, made)
+
+    monkeypatch.setattr(_windows.FieldCache, "__init__", spy_init)
+    monkeypatch.setattr(_windows.FieldCache, "get", spy_get)
+    return caches, results
+
+
+@pytest.mark.parametrize("name", list(UNETS))
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"chunk_size": 7}, {"num_chunks": 5, "batch_chunk_size": 1},
+     {"max_memory": "256MiB"}, {"chunk_size": "auto"}],
+    ids=["chunk_size", "batch_chunks", "budget", "auto"],
+)  # fmt: skip
+def test_groupnorm_unet_exact_with_kept_fields(
+    name, kwargs, windows_everywhere, field_caches
+):
+    """Later passes reuse the fields' images of the first: still the brute force."""
+    caches, _ = field_caches
+    model, loss_func, x, targets = _unet_problem(name)
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, return_report=True, **kwargs
+    )
+    assert_diag_close(actual, _unet_expected(name), rtol=1e-9, label=f"{name} {kwargs}")
+    assert report.windowed and report.num_passes > 1
+    assert sum(c.reused for c in caches) > 0, "no pass reused the fields' images"
+
+
+def test_fields_are_mapped_once_per_forward_pass_and_freed(
+    windows_everywhere, field_caches
+):
+    """Each field propagation and product is made in the first pass only.
+
+    The images are gone after the call: nothing else holds them.
+    """
+    caches, results = field_caches
+    model, loss_func, x, targets = _unet_problem("geometric-unet")
+    ggnchunk.diag_ggn(model, loss_func, x, targets)  # one pass
+    (single,) = caches
+    assert single.made > 0 and single.reused == 0
+    caches.clear()
+    passes = []
+    backward = _engine.GGNComputation._backward
+
+    def spy(self, factor, start, stop, windowed):
+        backward(self, factor, start, stop, windowed)
+        passes.append((self._recording.images.made, self._recording.images.held_bytes))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_engine.GGNComputation, "_backward", spy)
+        actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=6)
+    assert_diag_close(actual, _unet_expected("geometric-unet"), rtol=1e-9)
+    (cache,) = caches
+    assert len(passes) == 6
+    # made once, in the first pass: as many as one pass of all columns makes
+    assert [made for made, _ in passes] == [single.made] * 6
+    assert cache.reused == 5 * single.made
+    assert passes[0][1] > 0 and all(held == passes[0][1] for _, held in passes)
+    assert cache.held_bytes == 0  # emptied when the computation closed
+    gc.collect()
+    assert results and all(ref() is None for ref in results), "images outlived the call"
+
+
+def test_fixed_bytes_count_the_kept_images(windows_everywhere):
+    """Before the first pass the bound reserves the images; after it they are in use."""
+    from ggnchunk._checks import Batch
+
+    model, loss_func, x, targets = _unet_problem("geometric-unet")
+    problem = _engine.Problem.build(model, loss_func)
+    quantity = DiagonalGGN(problem, N)
+    run = _engine.GGNComputation(problem, Batch(x, N), targets, 1.0, quantity)
+    with run:  # as the entry points: hooks for the forward pass only
+        run.forward()
+    images = run._recording.images
+    run.limit_field_images(None)
+    with_images = run.fixed_bytes()
+    reserved = images.capacity
+    assert reserved > 0 and images.unbuilt_bytes() == reserved
+    run.limit_field_images(0)
+    assert run.fixed_bytes() == with_images - reserved
+    run.limit_field_images(None)
+    run.fixed_bytes()
+    run.backward(0, 10)
+    assert 0 < images.held_bytes <= reserved  # never more than the bound counted
+    assert images.unbuilt_bytes() == 0  # held, in the memory in use from now on
+    run.backward(10, 20)
+    assert images.reused > 0
+    run.close()
+    assert images.held_bytes == 0
+
+
+def test_lean_passes_keep_no_images(windows_everywhere, field_caches, monkeypatch):
+    """Lean runs (tight budgets) map the fields again in every pass: exact, nothing kept."""
+    caches, _ = field_caches
+    force_lean(monkeypatch)
+    model, loss_func, x, targets = _unet_problem("geometric-unet")
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=3)
+    assert_diag_close(actual, _unet_expected("geometric-unet"), rtol=1e-9)
+    (cache,) = caches
+    assert cache.made > 0 and cache.reused == 0 and not cache.enabled
