@@ -14,6 +14,12 @@ or at a layer or glue without a windowed form, the block becomes dense
 (:meth:`Windowed.dense`) and the sweep goes on as before; after glue, the dense vectors
 are windowed again from their values.
 
+A block's fields (dense maps per sample that a normalization over positions adds, see
+:class:`Windowed`) do not depend on the chunk: the first sweep of a forward pass makes
+their images (through each layer and glue, and their parameter products) and keeps them
+in the recording's :class:`FieldCache`, so that later sweeps compute only the
+coefficients.
+
 ``ENABLED`` switches the windowed path off (tests and benchmarks compare both); the
 environment variable ``GGNCHUNK_WINDOWS=0`` does the same for a process.
 """
