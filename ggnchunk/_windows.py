@@ -443,12 +443,20 @@ def attach(
 def joined(
     parts: list[Windowed], cache: FieldCache | None = None, key: Hashable | None = None
 ) -> tuple[Tensor | None, Tensor | None, Hashable | None]:
-    """The fields and coefficients of blocks added together: both lists joined.
+    """The fields and coefficients of blocks added together.
+
+    Fields whose coefficients are the same numbers add up into one field (exact:
+    ``a f + a g = a (f + g)``). Where branches meet after a residual block, one branch
+    carries the fields ``F`` with coefficients ``C`` and the other their images with the
+    same ``C`` (then those its own norms added): those are summed, so the count of fields
+    grows by what the block's norms add, not twice per block. Other fields are joined
+    side by side.
 
     Args:
         parts: Blocks (those without fields add nothing).
         cache: Where the joined fields are kept (``None``: joined every time).
-        key: Their key in ``cache`` (``None``: from the parts' origins).
+        key: Their key in ``cache`` (``None``: from the parts' origins and how they
+            were joined).
 
     Returns:
         ``(fields [K, N, ...], coeffs [V, N, K], origin)``, or ``None`` three times.
@@ -458,14 +466,58 @@ def joined(
         return None, None, None
     if len(parts) == 1:
         return parts[0].fields, parts[0].coeffs, parts[0].origin
+    # how each part joins those before it: ("shared", k) when the first k
+    # coefficients of one side are the other side's exactly, else ("apart", 0)
+    steps, coeffs, shape = [], parts[0].coeffs, parts[0].fields.shape[1:]
+    for part in parts[1:]:
+        step = ("apart", 0)
+        if part.fields.shape[1:] == shape:
+            step = _shared(coeffs, part.coeffs)
+        steps.append(step)
+        if step[0] == "shared":
+            coeffs = _wider(coeffs, part.coeffs)
+        else:
+            coeffs = joined_coeffs([coeffs, part.coeffs])
     if key is None and all(p.origin is not None for p in parts):
-        key = ("joined", *(p.origin for p in parts))
+        key = ("joined", tuple(steps), *(p.origin for p in parts))
 
     def make() -> Tensor:
-        return torch.cat([p.fields for p in parts])
+        fields = parts[0].fields
+        for part, (how, k) in zip(parts[1:], steps, strict=True):
+            if how == "apart":
+                fields = torch.cat([fields, part.fields])
+                continue
+            wide, narrow = (
+                (part.fields, fields) if part.fields.shape[0] >= fields.shape[0]
+                else (fields, part.fields)
+            )  # fmt: skip
+            fields = torch.cat([wide[:k] + narrow, wide[k:]])
+        return fields
 
     fields = make() if cache is None else cache.get(key, make)
-    return fields, joined_coeffs([p.coeffs for p in parts]), key
+    return fields, coeffs, key
+
+
+def _shared(a: Tensor, b: Tensor) -> tuple[str, int]:
+    """How two coefficient tensors join: ``("shared", k)`` or ``("apart", 0)``.
+
+    Shared where the narrower ``[V, N, k]`` equals the first ``k`` of the wider
+    exactly, for every column and sample.
+    """
+    k = min(a.shape[2], b.shape[2])
+    if a.shape[0] != b.shape[0]:
+        return ("apart", 0)
+    n = max(a.shape[1], b.shape[1])
+    left = a[:, :, :k].expand(a.shape[0], n, k)
+    right = b[:, :, :k].expand(b.shape[0], n, k)
+    return ("shared", k) if torch.equal(left, right) else ("apart", 0)
+
+
+def _wider(a: Tensor, b: Tensor) -> Tensor:
+    """The wider of two coefficient tensors whose common prefix is equal."""
+    wide = a if a.shape[2] >= b.shape[2] else b
+    n = max(a.shape[1], b.shape[1])
+    return wide.expand(wide.shape[0], n, wide.shape[2])
 
 
 def joined_coeffs(coeffs: list[Tensor]) -> Tensor:

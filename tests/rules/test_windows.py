@@ -62,6 +62,28 @@ class SkipNet(nn.Module):
         return self.head(F.silu(d))
 
 
+class ResidualGroupNorm(nn.Module):
+    """Residual blocks as diffusion U-Nets have them: GroupNorm, SiLU, conv, twice."""
+
+    def __init__(self, channels: int = 2, width: int = 4, blocks: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(channels, width, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.GroupNorm(2, width), nn.SiLU(), nn.Conv2d(width, width, 3, padding=1),
+                nn.GroupNorm(2, width), nn.SiLU(), nn.Conv2d(width, width, 3, padding=1),
+            )
+            for _ in range(blocks)
+        )  # fmt: skip
+        self.head = nn.Conv2d(width, channels, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h) + h
+        return self.head(h)
+
+
 class AttentionBottleneck(nn.Module):
     """Stride-2 conv encoder, self-attention over the positions, ConvTranspose decoder."""
 
@@ -175,6 +197,7 @@ MODELS = {
         nn.Conv2d(3, 2, 1),
     ),
     "attention-bottleneck": lambda: AttentionBottleneck(),
+    "residual-groupnorm": lambda: ResidualGroupNorm(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
 }
 SHAPES = {
@@ -183,6 +206,7 @@ SHAPES = {
     "tutorial-ae": (3, 10, 9),
     "conv-vae-linear-bottleneck": (1, 8, 8),
     "convT-dilation-stride3": (2, 11, 11),
+    "residual-groupnorm": (2, 20, 20),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
@@ -703,3 +727,54 @@ def test_lean_passes_keep_no_images(windows_everywhere, field_caches, monkeypatc
     assert_diag_close(actual, _unet_expected("geometric-unet"), rtol=1e-9)
     (cache,) = caches
     assert cache.made > 0 and cache.reused == 0 and not cache.enabled
+
+
+def test_fields_of_residual_blocks_add_up_instead_of_doubling(monkeypatch):
+    """Where a residual block's branches meet, fields with the same coefficients add.
+
+    The skip carries the fields ``F`` with coefficients ``C``, the block their images
+    with the same ``C`` plus its norms' own: joined side by side, the count would double
+    at every block (8, 24, 56 over three blocks of two 2-group GroupNorms); summed, it
+    grows by the block's own 8 (8, 16, 24). Exact either way.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    counts = []
+    joined = _windows.joined
+
+    def counted(parts, *args, **kwargs):
+        fields, coeffs, key = joined(parts, *args, **kwargs)
+        if coeffs is not None:
+            counts.append(coeffs.shape[2])
+        return fields, coeffs, key
+
+    monkeypatch.setattr(_windows, "joined", counted)
+    model, loss_func, x, targets = _problem("residual-groupnorm", "mse")
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, num_chunks=3, return_report=True
+    )
+    assert report.windowed
+    assert_diag_close(actual, _expected("residual-groupnorm", "mse"), rtol=1e-9)
+    assert counts and max(counts) <= 8 * 3, counts
+
+
+def test_fields_with_different_coefficients_stay_apart():
+    """Only coefficients equal for every column and sample let fields add up."""
+    torch.manual_seed(0)
+    fields = torch.randn(3, 2, 1, 4, 4, dtype=torch.float64)
+    more = torch.randn(5, 2, 1, 4, 4, dtype=torch.float64)
+    coeffs = torch.randn(6, 2, 3, dtype=torch.float64)
+    start = torch.zeros(6, 2, dtype=torch.int64)
+    data = torch.zeros(6, 2, 1, 2, 2, dtype=torch.float64)
+    a = _windows.Windowed(data, start, (4, 4), fields, coeffs)
+    shared = torch.cat([coeffs, torch.randn(6, 2, 2, dtype=torch.float64)], 2)
+    b = _windows.Windowed(data, start, (4, 4), more, shared)
+    apart = shared.clone()
+    apart[5, 1, 0] += 1.0  # one column of one sample differs
+    c = _windows.Windowed(data, start, (4, 4), more, apart)
+    for other, k in ((b, 5), (c, 8)):
+        f, w, _ = _windows.joined([a, other])
+        assert w.shape[2] == k and f.shape[0] == k
+        # the same vectors: sum_k coeffs fields, before and after joining
+        want = _windows.mix(coeffs, fields) + _windows.mix(other.coeffs, other.fields)
+        torch.testing.assert_close(_windows.mix(w, f), want, rtol=1e-12, atol=1e-12)
