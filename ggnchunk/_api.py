@@ -399,6 +399,9 @@ def _plan_for_budget(
         return passes_within(budget, device, level, *cost, total)
 
     run.limit_field_images(0)
+    # not lean, the fields' images are kept after the first pass (which the scheduler
+    # runs alone, with the fields travelling, and then plans again): plan without them
+    run.assume_fields_kept = True
     full = (run.fixed_bytes(total), run.column_bytes())
     # the least any plan reserves: the Gram form only where it wins for one column
     fewest = passes((run.fixed_bytes(1), full[1]))
@@ -408,6 +411,7 @@ def _plan_for_budget(
     else:
         run.fixed_bytes(total)
     run.set_lean(True)
+    run.assume_fields_kept = False  # lean keeps none: the fields travel in every pass
     lean = (run.fixed_bytes(), run.column_bytes())  # the Gram form is chosen by memory
     target = planning_share(device) * budget
     if 2 * passes(lean) <= passes(full) or (
@@ -415,8 +419,11 @@ def _plan_for_budget(
     ):
         return True
     run.set_lean(False)
+    run.assume_fields_kept = True
     room = target - level - run.fixed_bytes()
+    run.assume_fields_kept = False  # the first pass: the fields travel
     run.limit_field_images(int(max(0, min(room // 4, room - run.column_bytes()))))
+    run.fixed_bytes()  # the bounds for the plan, fields travelling
     return False
 
 

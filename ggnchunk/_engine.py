@@ -480,6 +480,10 @@ class GGNComputation:
             return min(dense, windowed)
         return dense
 
+    assume_fields_kept = False
+    """:meth:`fixed_bytes` as after a first pass that kept every field image (planning
+    only: a budget's choice between lean and kept caches)."""
+
     _dense_share = 1.0
     """A dense pass runs a chunk in parts of this share (the chunk was planned with the
     windowed bound)."""
@@ -513,8 +517,11 @@ class GGNComputation:
                 call.rule.field_count(call.ctx) for call in recording.calls
                 if call.leaf is not None
             )  # fmt: skip
-            if fields:
+            complete = recording.images.complete and recording.geometric_windows
+            if fields and not (complete or self.assume_fields_kept):
+                # fields still travel in some sweeps
                 fixed += fields * recording.column_bytes(element)
+            if fields:
                 recording.images.plan(recording.field_image_bytes(element))
                 fixed += recording.images.unbuilt_bytes()
         return fixed

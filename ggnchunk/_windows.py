@@ -297,6 +297,17 @@ class FieldCache:
         self.enabled = True
         self.made = 0
         self.reused = 0
+        self.dropped = 0  # results made but not kept (no key, over capacity, disabled)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every result the sweeps asked for so far is held.
+
+        Frozen after a sweep whose boxes follow the layers' geometry (the same keys in
+        every sweep), a complete cache means later sweeps move no fields at all: their
+        images are all held.
+        """
+        return self.frozen and self.enabled and self.dropped == 0
 
     @staticmethod
     def key(*parts: Hashable, block: Windowed | None = None) -> Hashable | None:
@@ -332,11 +343,14 @@ class FieldCache:
             return self._images[key]
         value = make()
         self.made += 1
+        kept = False
         if key is not None and self.enabled:
             size = _nbytes(value)
             if self.capacity is None or self._held + size <= self.capacity:
                 self._images[key] = value
                 self._held += size
+                kept = True
+        self.dropped += not kept
         return value
 
     @property

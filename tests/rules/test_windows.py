@@ -778,3 +778,50 @@ def test_fields_with_different_coefficients_stay_apart():
         # the same vectors: sum_k coeffs fields, before and after joining
         want = _windows.mix(coeffs, fields) + _windows.mix(other.coeffs, other.fields)
         torch.testing.assert_close(_windows.mix(w, f), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_complete_field_cache_leaves_the_travelling_fields_out_of_the_bound(
+    monkeypatch,
+):
+    """After a first pass that kept every field image, later passes move no fields.
+
+    The budget's plan then counts the kept images (memory in use) instead of the
+    fields as extra columns, and is not made lean for them (the U-Net 32² at 300 MiB:
+    193 lean passes before, 39 after, issue 19).
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    torch.manual_seed(2)
+    model = _randomized(
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+            nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+            nn.Conv2d(4, 2, 1),
+        )
+    )  # fmt: skip
+    x = torch.randn(N, 2, 16, 16, dtype=torch.float64)
+    targets = torch.randn(N, 2, 16, 16, dtype=torch.float64)
+    loss_func = nn.MSELoss()
+    gaps = []
+    fixed_bytes = _engine.GGNComputation.fixed_bytes
+
+    def spy(self, columns=None):
+        out = fixed_bytes(self, columns)
+        images = self._recording.images
+        if self._problem.model is model and images.complete:
+            images.dropped += 1  # as if a field image had not been kept
+            travelling = fixed_bytes(self, columns)
+            images.dropped -= 1
+            element = self._output.element_size()
+            gaps.append((travelling - out, 8 * self._recording.column_bytes(element)))
+        return out
+
+    monkeypatch.setattr(_engine.GGNComputation, "fixed_bytes", spy)
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, max_memory="256MiB", return_report=True
+    )
+    assert_diag_close(actual, reference_diag_ggn(model, loss_func, x, targets), rtol=1e-9)
+    assert report.windowed and not report.lean
+    # two GroupNorms of 2 groups: 8 fields, each counted as a column while travelling
+    assert gaps and all(gap == want > 0 for gap, want in gaps), gaps
