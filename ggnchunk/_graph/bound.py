@@ -1,0 +1,153 @@
+"""The memory bound of a sweep: bytes per column, fixed bytes, the fields' images.
+
+Computed by the sweep's own traversal (:mod:`.traverse`) on sizes instead of tensors,
+with the rules' byte counts (:mod:`ggnchunk._rules`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ggnchunk._autograd import (
+    GradientEdge,
+    edge_key,
+)
+from ggnchunk._graph.parts import Call, _Source, _Waiting
+from ggnchunk._graph.traverse import Traversal
+
+
+class MemoryBound(Traversal):
+    """The bytes a sweep over the recording needs (mixed into the recording)."""
+
+    def column_bytes(self, element: int, windowed: bool = False) -> int:
+        """An upper bound on the bytes one square-root column costs during a sweep.
+
+        Runs the sweep's own traversal (:meth:`_traverse`) on sizes instead of tensors:
+        which backpropagated vectors are alive at each step (waiting at layer outputs and
+        glue sources, the current layer's and its rule's), plus autograd's buffers
+        inside the glue (bounded by twice the vectors at the glue's ends) and per-sample
+        products of shared parameters. The largest total, per column.
+
+        With ``windowed`` (after a windowed sweep, :attr:`windowed_bound_ready`), the
+        sizes at layer outputs and inputs are twice those the windowed sweeps had there
+        (the boxes' sizes; a margin for how boxes align), never more than the full
+        map's, and each rule's own bytes shrink with its output's share of the map.
+
+        Args:
+            element: Bytes per element of the computation's dtype.
+            windowed: Count the windowed sweeps' sizes.
+
+        Returns:
+            Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
+        """
+        n = self._batch
+        waiting = _Waiting()
+        worst = 0
+        seen = self._seen if windowed else {}
+
+        def sized(where: str, call: Call, full: int) -> int:
+            if not windowed or ("dense", call.index) in seen:
+                return full
+            return min(full, 2 * seen.get((where, call.index), full))
+
+        def settle(extra: int) -> None:
+            nonlocal worst
+            worst = max(worst, waiting.total() + extra)
+
+        def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
+            ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
+            if windowed and size < source.numel:  # a cat sliced on the boxes (a
+                # block meeting other glue leaves no windowed bound)
+                return [(c.out_edge, sized("out", c, c.out_numel)) for c in ends]
+            added = sum(call.out_numel for call in ends)
+            buffers = 2 * (size + added) + -(-source.workspace // n)
+            if source.params:
+                buffers += size + sum(self._params[i].numel() for i in source.params)
+            settle(size + added + buffers)
+            return [(call.out_edge, call.out_numel) for call in ends]
+
+        def layer(call: Call, size: int) -> int | None:
+            rule = _rule_bytes(call, element)[0] // (element * n)
+            if windowed:
+                size = sized("out", call, call.out_numel)
+                rule = -(-rule * size // max(call.out_numel, 1))
+            shared = sum(
+                self._params[i].numel() for i, _ in call.params if i in self.shared
+            )
+            settle(size + rule + shared)
+            if call.leaf is None:
+                return None
+            inputs = sized("in", call, call.ctx.x[0].numel())
+            settle(size + inputs)
+            return inputs
+
+        # the sweep's own traversal, on sizes (elements per column and sample)
+        self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
+        shared_total = sum(self._params[i].numel() for i in self.shared)
+        # 1.5: what the sizes leave out (kernels' workspaces, the allocator's partly
+        # reused blocks) measured up to ~1.5x on CPU convolutions
+        return int(1.5 * (worst + shared_total) * n * element)
+
+    def fixed_bytes(self, element: int) -> int:
+        """Bytes the rules will keep for the whole forward pass, beyond what they hold now.
+
+        Caches already built (by the forward pass or an earlier sweep) are in the memory
+        in use; only what is still to be built, and the largest step's transient memory,
+        is counted.
+
+        Args:
+            element: Bytes per element.
+
+        Returns:
+            An upper bound.
+        """
+        kept = sum(
+            max(
+                0,
+                _rule_bytes(call, element)[1] - call.ctx.caches.held_bytes(call.ctx.inputs),
+            )
+            for call in self.calls
+        )
+        transient = max((_rule_bytes(call, element)[2] for call in self.calls), default=0)
+        return kept + transient
+
+    def field_image_bytes(self, element: int) -> int:
+        """What a windowed sweep can keep of its fields' images (:attr:`images`).
+
+        Fields made by the calls after a place can reach it (``K`` of them, each a map
+        per sample): their images at every call's input and output (after glue and
+        where blocks meet), at glue sources, and their per-sample parameter products.
+        An estimate to reserve: the cache never holds more than it was given.
+
+        Args:
+            element: Bytes per element.
+
+        Returns:
+            Bytes.
+        """
+        after, total = 0, 0  # fields made by the calls after the current one
+        reaching: dict[int, int] = {}  # call index -> fields reaching its input
+        for call in reversed(self.calls):
+            params = sum(self._params[i].numel() for i, _ in call.params)
+            total += after * (call.out_numel + params)
+            if call.leaf is not None:
+                after += call.rule.field_count(call.ctx)
+                total += after * call.ctx.x[0].numel()
+            reaching[call.index] = after
+        for source in self._sources.values():
+            if not source.direct and source.key != self.output_key:
+                total += reaching.get(source.last_consumer, 0) * source.numel
+        return total * self._batch * element
+
+
+def _rule_bytes(call: Call, element: int) -> tuple[int, int, int]:
+    """A call's rule bytes: per column, fixed and transient (backprop only if frozen)."""
+    rule, ctx = call.rule, call.ctx
+    if call.params:
+        return (
+            rule.column_bytes(ctx, element), rule.fixed_bytes(ctx, element),
+            rule.transient_bytes(ctx, element),
+        )  # fmt: skip
+    if call.leaf is None:  # nothing to do at all
+        return 0, 0, 0
+    return rule.backprop_bytes(ctx, element)

@@ -1,0 +1,91 @@
+"""Checks of a recorded forward pass: Kronecker factors exist, samples stay independent."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ggnchunk._graph.parts import SampleCouplingError, _display
+from ggnchunk._graph.traverse import Traversal
+from ggnchunk._quantities import Quantity
+
+
+class Checks(Traversal):
+    """Refusals read off the recorded graph (mixed into the recording)."""
+
+    def check_kron(self, names: list[str]) -> None:
+        """Refuse what has no Kronecker factors: parameters outside ruled layers, shared.
+
+        Args:
+            names: The parameters' qualified names, for the message.
+
+        Raises:
+            ValueError: Naming the parameter or layer.
+        """
+        for source in self._sources.values():
+            if source.params:
+                name = names[source.params[0]]
+                raise ValueError(
+                    f"parameter {name!r} is used outside a per-sample call of an "
+                    "nn.Linear or nn.Conv layer (by F.linear, a custom layer or a tied "
+                    "weight, or by a layer whose input does not have the batch on axis "
+                    "0, e.g. after samples were reshaped into the batch axis), so it "
+                    "has no Kronecker factors. Freeze it (requires_grad_(False)) or use "
+                    "ggnchunk.diag_ggn."
+                )
+        for call in self.calls:
+            if any(i in self.shared for i, _ in call.params):
+                raise ValueError(
+                    f"{_display(call.name)} ({type(call.ctx.module).__name__}) is called "
+                    "more than once or shares its parameters, so its GGN block has no "
+                    "single Kronecker factorization. Freeze it (requires_grad_(False)) "
+                    "or use ggnchunk.diag_ggn."
+                )
+            reason = call.rule.kron_check(call.ctx.module) if call.params else None
+            if reason is not None:
+                raise ValueError(
+                    f"{_display(call.name)} ({type(call.ctx.module).__name__}): {reason}. "
+                    "Freeze its parameters (requires_grad_(False)) or use "
+                    "ggnchunk.diag_ggn."
+                )
+
+    def check_independent(self, output: Tensor) -> None:
+        """Refuse models whose samples influence each other (before any real pass).
+
+        Backpropagates one random vector from the first and one from the last sample's
+        output and checks that they stay on their sample at every layer's output and
+        input: an exact test of the recorded graph, for couplings in layers and glue.
+
+        Args:
+            output: The model output, ``[N, ...]``.
+
+        Raises:
+            SampleCouplingError: Naming the first place where samples mix.
+        """
+        n = output.shape[0]
+        if n < 2:
+            return
+        seed = torch.zeros(2, *output.shape, dtype=output.dtype, device=output.device)
+        generator = torch.Generator(device=output.device).manual_seed(0)
+        for column, sample in enumerate((0, n - 1)):
+            seed[column, sample] = torch.rand(
+                output.shape[1:], generator=generator, dtype=output.dtype,
+                device=output.device,
+            ) + 0.5  # fmt: skip
+
+        def visit(where: str, vectors: Tensor) -> None:
+            others = torch.ones(2, n, dtype=torch.bool, device=vectors.device)
+            others[0, 0] = others[1, n - 1] = False
+            flat = vectors.reshape(2, n, -1)
+            if bool((flat[others] != 0).any()):
+                raise SampleCouplingError(
+                    f"samples of the batch influence each other: backpropagating from one "
+                    f"sample's output reaches other samples at {where}. An operation in "
+                    "the model mixes samples (batch statistics such as BatchNorm in "
+                    "training mode or x - x.mean(0), or attention across the batch axis), "
+                    "so the GGN is not a sum over samples. Call model.eval(), or remove "
+                    "the operation that mixes samples."
+                )
+
+        visit("the model output", seed)
+        self.sweep(seed, Quantity(), visit)

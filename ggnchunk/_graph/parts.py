@@ -1,0 +1,77 @@
+"""The pieces of a recorded forward pass: layer calls, glue sources, waiting vectors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from ggnchunk._autograd import (
+    EdgeKey,
+    GradientEdge,
+)
+from ggnchunk._rules import LayerRule, RuleContext
+from ggnchunk._windows import FieldCache
+from ggnchunk._windows import add as add_vectors
+
+
+class SampleCouplingError(ValueError):
+    """The model mixes the samples of a batch: its GGN is not a sum over samples."""
+
+
+def _display(name: str) -> str:
+    return f"model.{name}" if name else "model"
+
+
+@dataclass
+class Call:
+    """One call of a layer with a rule during the recorded forward pass."""
+
+    index: int
+    name: str
+    rule: LayerRule
+    ctx: RuleContext
+    params: list[tuple[int, str]]  # (index in the parameter list, name in the layer)
+    leaf: Tensor | None  # the detached input that requires grad (None: input needs none)
+    source: GradientEdge | None  # where the glue before the layer ends
+    out_edge: GradientEdge
+    out_numel: int  # per sample
+
+
+@dataclass
+class _Source:
+    """Where glue begins: the model output, or the original tensor behind a cut."""
+
+    key: EdgeKey
+    target: Any  # tensor or gradient edge, for autograd
+    numel: int  # per sample
+    last_consumer: int  # the glue is pushed after this call index is done
+    direct: bool = False  # the source is a layer output itself (no glue in between)
+    frontier: list[GradientEdge] = field(default_factory=list)
+    params: list[int] = field(default_factory=list)  # parameter indices used in the glue
+    workspace: int = 0  # elements per column its nodes allocate (folded attention)
+
+
+class _Waiting:
+    """The vectors a traversal holds between steps: at layer outputs and glue sources.
+
+    Vectors (or sizes) meeting at one place are added; sizes of one place are equal, so
+    their "sum" is one of them. Blocks' joined fields are kept in ``images``.
+    """
+
+    def __init__(self, images: FieldCache | None = None) -> None:
+        self.outs: dict[EdgeKey, Any] = {}
+        self.srcs: dict[EdgeKey, Any] = {}
+        self.images = images
+
+    def add(self, store: dict[EdgeKey, Any], key: EdgeKey, value: Any) -> None:
+        old = store.get(key)
+        if old is None:
+            store[key] = value
+        elif not isinstance(value, int):
+            store[key] = add_vectors(old, value, self.images)
+
+    def total(self) -> int:
+        """Elements waiting (size traversals)."""
+        return sum(self.outs.values()) + sum(self.srcs.values())

@@ -1,0 +1,271 @@
+"""The recording of one forward pass: hooks on the layers with rules, then the plan.
+
+:class:`Recording` is the object the engine holds: the hooks and the plan are here, the
+sweeps (:mod:`.sweep`), the memory bound (:mod:`.bound`) and the checks
+(:mod:`.checks`) are mixed in; all share the one traversal (:mod:`.traverse`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ggnchunk._attention import attention_workspace
+from ggnchunk._autograd import (
+    EdgeKey,
+    GradientEdge,
+    accumulated_variable,
+    edge_key,
+    edge_of,
+)
+from ggnchunk._graph.bound import MemoryBound
+from ggnchunk._graph.checks import Checks
+from ggnchunk._graph.parts import Call, _display, _Source
+from ggnchunk._graph.sweep import Sweeps
+from ggnchunk._rules import LayerRule, RuleContext
+from ggnchunk._windows import FieldCache
+
+
+class Recording(Sweeps, MemoryBound, Checks):
+    """Hooks on the layers with rules for one forward pass, then plan and sweeps.
+
+    Args:
+        units: ``{module: (qualified name, rule)}``.
+        params: The trainable parameters, in ``named_parameters()`` order.
+        batch: Number of samples ``N`` in the forward pass.
+        every_product: Every parameter takes the per-sample products' path (the
+            quantity keeps them: each sample's diagonal, output variances), and the
+            memory bound counts them.
+    """
+
+    def __init__(
+        self,
+        units: dict[nn.Module, tuple[str, LayerRule]],
+        params: list[nn.Parameter],
+        batch: int,
+        every_product: bool = False,
+    ):
+        self.every_product = every_product
+        self._units = units
+        self._params = params
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._batch = batch
+        self._thread = threading.get_ident()
+        self._pending: dict[int, list[Any]] = {}
+        self.calls: list[Call] = []
+        self._handles: list[Any] = []
+        self._sources: dict[EdgeKey, _Source] = {}
+        self._order: list[EdgeKey] = []  # model output source first
+        self._out_keys: dict[EdgeKey, int] = {}
+        self.shared: set[int] = set()
+        self.output_key: EdgeKey | None = None
+        self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
+        self._warned = False
+        self.window_ends: dict[str, str] = {}  # where windowed columns became dense
+        # sizes (elements per column and sample) windowed sweeps had at each call's
+        # output and input, for the windowed memory bound; ("dense", i): a full map
+        self._seen: dict[tuple[str, int], int] = {}
+        self._by_values = False  # a block crossed glue and was windowed from values
+        self.windowed_sweeps = 0
+        self.images = FieldCache()  # the windowed fields' images, reused by every sweep
+
+    # -- hooks -----------------------------------------------------------------------
+    def install(self) -> None:
+        """Register the hooks (removed by :meth:`remove`)."""
+        for module in self._units:
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._post_hook, prepend=True)
+            )
+
+    def remove(self) -> None:
+        """Remove the hooks; safe to call more than once."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return None  # another thread's forward: neither recorded nor popped
+        stack = self._pending.setdefault(id(module), [])
+        if not torch.is_grad_enabled():
+            stack.append(None)
+            return None
+        if args:
+            x, rest, key = args[0], args[1:], None
+        elif "input" in kwargs:
+            x, rest, key = kwargs["input"], (), "input"
+        else:
+            stack.append(None)
+            return None
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch:
+            stack.append(None)  # not a per-sample call: the glue handles it
+            return None
+        if x.requires_grad:
+            leaf = x.detach().requires_grad_()
+            stack.append((leaf, edge_of(x), leaf._version))
+            if key is None:
+                return (leaf, *rest), kwargs
+            return args, {**kwargs, key: leaf}
+        stack.append((None, None, x._version, x))
+        return None
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        stack = self._pending.get(id(module))
+        entry = stack.pop() if stack else None
+        if entry is None:
+            return
+        if not (isinstance(output, Tensor) and output.requires_grad):
+            return
+        if output.dim() == 0 or output.shape[0] != self._batch:
+            return
+        name, rule = self._units[module]
+        leaf, source, version = entry[:3]
+        x = leaf if leaf is not None else entry[3]
+        ctx = RuleContext(module, (x,), (version,), tuple(output.shape))
+        ctx.node = output.grad_fn
+        ctx.index, ctx.images = len(self.calls), self.images
+        rule.record(ctx)
+        params = [
+            (self._param_index[id(p)], pname)
+            for pname, p in module.named_parameters(recurse=False)
+            if id(p) in self._param_index
+        ]
+        self.calls.append(
+            Call(
+                len(self.calls), name, rule, ctx, params, leaf, source, edge_of(output),
+                output[0].numel(),
+            )
+        )  # fmt: skip
+
+    # -- plan ------------------------------------------------------------------------
+    def plan(self, output: Tensor) -> None:
+        """Find each glue region's frontier and parameters (after the forward pass).
+
+        Args:
+            output: The model output, ``[N, ...]``.
+
+        Raises:
+            ValueError: If a layer's input was changed in place after the layer used it.
+        """
+        for call in self.calls:
+            x = call.ctx.inputs[0]
+            if x._version != call.ctx.versions[0]:
+                kind = type(call.ctx.module).__name__
+                raise ValueError(
+                    f"the input of {_display(call.name)} ({kind}) was modified in place "
+                    "after the layer used it (for example by an in-place activation or "
+                    "`x += ...` on the same tensor). ggnchunk needs the value the layer "
+                    "saw: use an out-of-place operation there."
+                )
+        self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
+        uses: dict[int, int] = {}
+        for call in self.calls:
+            for i, _ in call.params:
+                uses[i] = uses.get(i, 0) + 1
+        out_edge = edge_of(output)
+        self.output_key = edge_key(out_edge)
+        self._sources = {}
+        self._add_source(self.output_key, output, output[0].numel(), len(self.calls))
+        for call in self.calls:
+            if call.source is not None:
+                self._add_source(
+                    edge_key(call.source), call.source, call.ctx.x[0].numel(), call.index
+                )
+        for source in self._sources.values():
+            self._walk(source)
+            for i in source.params:
+                uses[i] = uses.get(i, 0) + 1
+        self._stop_without_parameters()
+        self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
+        for call in self.calls:
+            call.ctx.shared = any(i in self.shared for i, _ in call.params)
+            call.ctx.output = edge_key(call.out_edge) == self.output_key
+        self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
+
+    def _stop_without_parameters(self) -> None:
+        """Cut the sweeps where no trainable parameter is upstream.
+
+        A call whose input depends on no trainable parameter (only on inputs that
+        require grad, or frozen parts) passes nothing back, and a glue region leaves out
+        the layer outputs behind which nothing is trained: no backward work there.
+        """
+        reach: dict[int, bool] = {}  # call index -> a trainable parameter at or before it
+        behind: dict[EdgeKey, bool] = {}  # source -> a trainable parameter behind it
+
+        def upstream(key: EdgeKey) -> bool:
+            if key not in behind:
+                source = self._sources[key]
+                if source.direct:
+                    behind[key] = reach[self._out_keys[key]]
+                else:
+                    behind[key] = bool(source.params) or any(
+                        reach[self._out_keys[edge_key(e)]] for e in source.frontier
+                    )
+            return behind[key]
+
+        for call in self.calls:  # forward order: every call upstream is settled
+            back = call.source is not None and upstream(edge_key(call.source))
+            reach[call.index] = bool(call.params) or back
+            if call.source is not None and not back:
+                call.leaf = call.source = None  # nothing to pass back to
+        for source in self._sources.values():
+            source.frontier = [
+                e for e in source.frontier if reach[self._out_keys[edge_key(e)]]
+            ]
+        self._sources = {
+            key: source for key, source in self._sources.items()
+            if key == self.output_key or behind.get(key, False)
+        }  # fmt: skip
+
+    def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
+        source = self._sources.get(key)
+        if source is None:
+            self._sources[key] = _Source(key, target, numel, consumer)
+        else:
+            source.last_consumer = min(source.last_consumer, consumer)
+
+    def _walk(self, source: _Source) -> None:
+        if source.key in self._out_keys:
+            source.direct = True
+            return
+        node = source.target.grad_fn if isinstance(source.target, Tensor) else None
+        if node is None and isinstance(source.target, GradientEdge):
+            node = source.target.node
+        frontier: dict[EdgeKey, GradientEdge] = {}
+        params: set[int] = set()
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current is None or id(current) in seen:
+                continue
+            seen.add(id(current))
+            source.workspace += attention_workspace(current)
+            variable = accumulated_variable(current)
+            if variable is not None:
+                if id(variable) in self._param_index:
+                    params.add(self._param_index[id(variable)])
+                continue
+            for nxt, number in current.next_functions:
+                if nxt is None:
+                    continue
+                key = edge_key((nxt, number))
+                if key in self._out_keys:
+                    frontier[key] = self.calls[self._out_keys[key]].out_edge
+                else:
+                    stack.append(nxt)
+        source.frontier = list(frontier.values())
+        source.params = sorted(params)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters, in ``named_parameters()`` order."""
+        return self._params

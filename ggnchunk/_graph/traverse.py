@@ -1,0 +1,101 @@
+"""The one traversal of the recorded calls, shared by the sweeps and the memory bound.
+
+The sweeps (:mod:`.sweep`) run it on tensors and the memory bound (:mod:`.bound`) on
+sizes, so the bound follows the sweep's order and liveness by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from ggnchunk._autograd import (
+    EdgeKey,
+    GradientEdge,
+    edge_key,
+)
+from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
+from ggnchunk._windows import FieldCache
+
+
+class Traversal:
+    """What a recording holds after its plan, and the traversal over it.
+
+    The attributes are set by :class:`~ggnchunk._graph.recording.Recording`; the sweeps,
+    the memory bound and the checks are mixed into it and read them.
+    """
+
+    calls: list[Call]
+    shared: set[int]
+    output_key: EdgeKey | None
+    images: FieldCache
+    fallbacks: dict[str, str]
+    window_ends: dict[str, str]
+    windowed_sweeps: int
+    _batch: int
+    _params: list[nn.Parameter]
+    _sources: dict[EdgeKey, _Source]
+    _out_keys: dict[EdgeKey, int]
+    _seen: dict[tuple[str, int], int]
+    _by_values: bool
+    _warned: bool
+
+    def _traverse(
+        self,
+        seed: Tensor,
+        layer: Callable[[Call, Tensor], Tensor | None],
+        glue: Callable[[_Source, Tensor], list[tuple[GradientEdge, Any]]],
+        visit: Callable[[str, Tensor], None] | None = None,
+        waiting: _Waiting | None = None,
+    ) -> None:
+        """The one traversal: vectors from the output back over the calls.
+
+        The sweeps run it on tensors and the memory bound (:meth:`column_bytes`) on
+        sizes, so the bound follows the sweep's order and liveness by construction.
+
+        Vectors meeting at one place are added. ``layer(call, vectors)`` does the layer's
+        work and returns the vectors at its input (``None``: nothing passes on); once
+        every consumer of a glue region's source is done, ``glue(source, vectors)``
+        returns ``(edge, vectors)`` for the layer outputs the region reaches, so each
+        region is crossed once.
+
+        Args:
+            seed: The vectors at the model output.
+            layer: The work at a layer call.
+            glue: The work through a glue region.
+            visit: Called with ``(where, vectors)`` at every layer output and input.
+            waiting: Where the vectors wait between steps (sizes: read by the caller).
+        """
+        waiting = _Waiting(self.images) if waiting is None else waiting
+        outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
+
+        def push(key: EdgeKey, value: Tensor) -> None:
+            source = self._sources[key]
+            if source.direct:
+                add(outs, key, value)
+                return
+            for edge, result in glue(source, value):
+                if result is not None:
+                    add(outs, edge_key(edge), result)
+
+        push(self.output_key, seed)
+        for call in reversed(self.calls):
+            value = outs.pop(edge_key(call.out_edge), None)
+            if value is None:
+                continue
+            if visit is not None:
+                visit(f"the output of {_display(call.name)}", value)
+            back = layer(call, value)
+            del value
+            if back is None:
+                continue
+            key = edge_key(call.source)
+            add(srcs, key, back)
+            del back
+            if self._sources[key].last_consumer == call.index:
+                pending = srcs.pop(key)
+                if visit is not None:
+                    visit(f"the input of {_display(call.name)}", pending)
+                push(key, pending)
