@@ -18,6 +18,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 __all__ = [
     "BatchNormBase",
     "Edge",
+    "Gather",
     "GradientEdge",
     "Node",
     "SlowBackwardWarning",
@@ -35,9 +37,11 @@ __all__ = [
     "blocked",
     "edge_key",
     "edge_of",
+    "gather_of",
     "noting",
     "plain_grad",
     "quiet_autograd",
+    "scatter_rows",
 ]
 
 Edge = GradientEdge
@@ -106,6 +110,66 @@ def accumulated_variable(node: Node) -> Tensor | None:
     if type(node).__name__ == "AccumulateGrad":
         return node.variable
     return None
+
+
+@dataclass(frozen=True)
+class Gather:
+    """An ``embedding`` node of the graph that reads its weight directly: rows by index.
+
+    The gradient of the weight is the gradient at the node's output added into the rows
+    of ``indices`` (``padding_idx``'s row gets none); done by hand, it is batched over
+    columns, where torch's vmap runs ``embedding_backward`` once per column.
+    """
+
+    edge: GradientEdge  # the node's output: where the gradient is taken
+    indices: Tensor
+    rows: int
+    padding_idx: int | None
+
+
+def gather_of(node: Node) -> Gather | None:
+    """The :class:`Gather` of an ``EmbeddingBackward0`` node, else ``None``.
+
+    Only dense embeddings without ``scale_grad_by_freq`` (which scales by counts over the
+    whole batch) qualify.
+
+    Args:
+        node: A node of the autograd graph.
+
+    Returns:
+        The gather, or ``None`` for any other node.
+    """
+    if node.name() != "EmbeddingBackward0":
+        return None
+    try:
+        if node._saved_scale_grad_by_freq or node._saved_sparse:
+            return None
+        padding = int(node._saved_padding_idx)
+        rows = int(node._saved_weight_sym_argsize_0)
+        indices = node._saved_indices
+    except (AttributeError, RuntimeError, TypeError):  # another torch's names
+        return None
+    # torch saves "no padding row" (-1) as an unsigned 2**64 - 1
+    row = padding if 0 <= padding < rows else None
+    return Gather(GradientEdge(node, 0), indices, rows, row)
+
+
+def scatter_rows(gather: Gather, grads: Tensor) -> Tensor:
+    """The weight gradients of a :class:`Gather` from the gradients at its output.
+
+    Args:
+        gather: The embedding node.
+        grads: ``[V, *indices.shape, D]``, the gradients at the node's output.
+
+    Returns:
+        ``[V, rows, D]``.
+    """
+    v, dim = grads.shape[0], grads.shape[-1]
+    rows = grads.new_zeros(v, gather.rows, dim)
+    rows.index_add_(1, gather.indices.reshape(-1), grads.reshape(v, -1, dim))
+    if gather.padding_idx is not None:
+        rows[:, gather.padding_idx] = 0.0
+    return rows
 
 
 class SlowBackwardWarning(UserWarning):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ggnchunk._autograd import batched_grad, blocked, plain_grad
+from ggnchunk._autograd import Gather, batched_grad, blocked, plain_grad, scatter_rows
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense
@@ -361,16 +361,23 @@ class _Products(Quantity):
 
     def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
         v, n = grads.shape[:2]
-        params = [recording.params[i] for i in source.params]
+        # a parameter read only by embedding lookups: the gradients at the lookups'
+        # outputs, added into rows here (torch's vmap loops over embedding_backward)
+        wanted: list[tuple[int, Gather | None]] = []
+        for i in source.params:
+            wanted += [(i, g) for g in source.gathers.get(i, [None])]
+        inputs = [recording.params[i] if g is None else g.edge for i, g in wanted]
         masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
         buffers = self._buffers
         for sample in range(n):
             masked[:, sample] = grads[:, sample]
             with blocked(source.frontier):
-                results = batched_grad([source.target], params, [masked])
-            for i, value in zip(source.params, results, strict=True):
+                results = batched_grad([source.target], inputs, [masked])
+            for (i, gather), value in zip(wanted, results, strict=True):
                 if value is None:
                     continue
+                if gather is not None:
+                    value = scatter_rows(gather, value)
                 if i not in buffers:
                     buffers[i] = value.new_zeros(v, n, *value.shape[1:])
                 buffers[i][:, sample] += value

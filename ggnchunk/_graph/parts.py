@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ggnchunk._autograd import (
     EdgeKey,
+    Gather,
     GradientEdge,
 )
 from ggnchunk._rules import LayerRule, RuleContext
@@ -51,6 +52,9 @@ class _Source:
     frontier: list[GradientEdge] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # parameter indices used in the glue
     workspace: int = 0  # elements per column its nodes allocate (folded attention)
+    # parameters read in the glue only by embedding lookups: their products are the
+    # gradients at the lookups' outputs added into rows (batched over columns)
+    gathers: dict[int, list[Gather]] = field(default_factory=dict)
 
 
 class _Waiting:

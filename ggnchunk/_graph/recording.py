@@ -16,10 +16,12 @@ from torch import Tensor, nn
 from ggnchunk._attention import attention_workspace
 from ggnchunk._autograd import (
     EdgeKey,
+    Gather,
     GradientEdge,
     accumulated_variable,
     edge_key,
     edge_of,
+    gather_of,
 )
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
@@ -242,6 +244,8 @@ class Recording(Sweeps, MemoryBound, Checks):
             node = source.target.node
         frontier: dict[EdgeKey, GradientEdge] = {}
         params: set[int] = set()
+        gathers: dict[int, list[Gather]] = {}
+        other: set[int] = set()  # parameters read by anything but an embedding lookup
         stack, seen = [node], set()
         while stack:
             current = stack.pop()
@@ -254,16 +258,27 @@ class Recording(Sweeps, MemoryBound, Checks):
                 if id(variable) in self._param_index:
                     params.add(self._param_index[id(variable)])
                 continue
+            gather = None
             for nxt, number in current.next_functions:
                 if nxt is None:
                     continue
                 key = edge_key((nxt, number))
                 if key in self._out_keys:
                     frontier[key] = self.calls[self._out_keys[key]].out_edge
+                    continue
+                stack.append(nxt)
+                variable = accumulated_variable(nxt)
+                if variable is None or id(variable) not in self._param_index:
+                    continue
+                index = self._param_index[id(variable)]
+                gather = gather or gather_of(current)
+                if gather is None:
+                    other.add(index)
                 else:
-                    stack.append(nxt)
+                    gathers.setdefault(index, []).append(gather)
         source.frontier = list(frontier.values())
         source.params = sorted(params)
+        source.gathers = {i: g for i, g in gathers.items() if i not in other}
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -1,0 +1,124 @@
+"""Embedding lookups in the glue (learned positions, functional lookups) vs. brute force.
+
+A lookup whose input has no batch axis (``positions(arange(T))``, GPT-2's learned
+positions) or a functional ``F.embedding`` is glue: its weight gets per-sample products
+from the glue sweep. Torch's vmap runs ``embedding_backward`` once per column there; the
+sweep instead takes the gradients at the lookup's output (batched) and adds them into
+rows. Each case is compared with the float64 brute force in several chunkings, with
+batches of one, and the fast path is checked to warn about no per-column kernel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ggnchunk
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+VOCAB, LENGTH, DIM = 7, 4, 5
+
+
+class Positions(nn.Module):
+    """Token lookup (a rule) plus learned positions looked up without a batch axis."""
+
+    def __init__(self, padding_idx: int | None = None, twice: bool = False,
+                 scale_grad_by_freq: bool = False):  # fmt: skip
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, DIM)
+        self.positions = nn.Embedding(
+            LENGTH, DIM, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq
+        )
+        self.twice = twice
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        where = torch.arange(ids.shape[1], device=ids.device)
+        h = self.tokens(ids) + self.positions(where)
+        if self.twice:  # the same table read a second time (two lookups, one weight)
+            h = h * torch.tanh(self.positions(where.flip(0)))
+        return self.head(self.ln(h)).transpose(1, 2)
+
+
+class Functional(nn.Module):
+    """``F.embedding`` on batched ids with a weight of the model's own (glue)."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, DIM))
+        self.tied = tied
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        h = self.head(self.ln(F.embedding(ids, self.table)))
+        if self.tied:  # the table read by a matrix product too: the generic path
+            h = h + F.linear(self.ln(h[..., :DIM]), self.table)
+        return h.transpose(1, 2)
+
+
+CASES = {
+    "positions": lambda: Positions(),
+    "positions_padding_idx": lambda: Positions(padding_idx=1),
+    "positions_read_twice": lambda: Positions(twice=True),
+    "positions_scale_grad_by_freq": lambda: Positions(scale_grad_by_freq=True),
+    "functional": lambda: Functional(),
+    "functional_tied": lambda: Functional(tied=True),
+}
+# lookups whose weight is read only by embedding nodes take the batched path
+FAST = {"positions", "positions_padding_idx", "positions_read_twice", "functional"}
+
+
+def _problem(name: str, n: int):
+    torch.manual_seed(0)
+    model = CASES[name]().double()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.normal_()
+                module.bias.normal_()
+    ids = torch.randint(0, VOCAB, (n, LENGTH))
+    targets = torch.randint(0, VOCAB, (n, LENGTH))
+    return model, nn.CrossEntropyLoss(), ids, targets
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"chunk_size": 5}, {"batch_chunk_size": 2}],
+    ids=["onepass", "size5", "subbatch2"],
+)  # fmt: skip
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_embedding_in_glue_exact(name, n, kwargs):
+    model, loss_func, ids, targets = _problem(name, n)
+    expected = reference_diag_ggn(model, loss_func, ids, targets)
+    actual = ggnchunk.diag_ggn(model, loss_func, ids, targets, **kwargs)
+    assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} N={n} {kwargs}")
+
+
+@pytest.mark.parametrize("name", sorted(FAST))
+def test_embedding_in_glue_batched(name):
+    """No per-column ``embedding_backward``: no SlowBackwardWarning for these lookups."""
+    model, loss_func, ids, targets = _problem(name, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+        ggnchunk.diag_ggn(model, loss_func, ids, targets, num_chunks=2)
+
+
+@pytest.mark.parametrize("name", ["positions", "functional"])
+def test_embedding_in_glue_per_sample(name):
+    model, loss_func, ids, targets = _problem(name, 3)
+    actual = ggnchunk.diag_ggn(model, loss_func, ids, targets, per_sample=True)
+    for sample in range(3):
+        expected = reference_diag_ggn(
+            model, loss_func, ids[sample : sample + 1], targets[sample : sample + 1]
+        )
+        # the mean over 3 samples scales each sample's share by 1/3 (the mean over
+        # its 4 tokens is the same in both)
+        scaled = {k: v / 3 for k, v in expected.items()}
+        got = {k: v[sample] for k, v in actual.items()}
+        assert_diag_close(got, scaled, rtol=1e-10, label=f"{name} sample {sample}")
