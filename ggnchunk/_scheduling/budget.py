@@ -87,6 +87,7 @@ class Decision:
     per_index: float
     chunk_size: int | None = None  # where the last call ended
     tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
+    overshot: int | None = None  # the size a chunk above the target was cut to
 
 
 class BudgetPlanner:
@@ -110,6 +111,7 @@ class BudgetPlanner:
         self.share = backend.planning_share
         self.ceiling = total  # no chunk above this size (a bound's, or one that overshot)
         self.one: int | None = None  # the probe's peak of one index (no bound known)
+        self.overshot: int | None = None  # the size a chunk above the target was cut to
         self._overshoot_warned = False
         self.first_level = max(0, executor.level())
 
@@ -250,6 +252,7 @@ class BudgetPlanner:
             size = max(1, int(done * max(target - floor, 0) / max(peak - floor, 1)))
             size = min(size, done - 1)
             self.ceiling = min(self.ceiling, size)
+            self.overshot = size if self.overshot is None else min(self.overshot, size)
             if peak > budget:  # above the safety target only: shrink quietly
                 self._warn_overshoot(peak, size)
         elif peak > budget and done == 1:  # nothing left to shrink: say so

@@ -230,6 +230,12 @@ def _run_adaptive(
     cached = CACHE.get(cache_key)
     if cost is not None:
         decision, start, size, grow = _start_from_bound(planner, cost)
+        if cached is not None and cached.overshot and start < total:
+            # an earlier call of the same problem measured chunks of this size above
+            # the target, which the bound does not see: start where that call ended
+            size = min(size, cached.overshot)
+            planner.ceiling = min(planner.ceiling, size)
+            decision.overshot = cached.overshot
     elif cached is None:
         decision, start = planner.probe()
         size, grow = min(total, 2), True  # then geometric growth from measured chunks
@@ -251,6 +257,8 @@ def _run_adaptive(
         start = stop
         size = planner.next_size(records, size, grow)
     decision.chunk_size = size
+    if planner.overshot is not None:
+        decision.overshot = min(decision.overshot or planner.overshot, planner.overshot)
     decision.per_index = max(1.0, (planner.target - decision.fixed) / max(size, 1))
     CACHE.put(cache_key, decision)
     report.fixed_bytes = decision.fixed

@@ -367,6 +367,29 @@ def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
     assert [(c.start, c.stop) for c in report.chunks] == [(i, i + 1) for i in range(6)]
 
 
+def test_known_cost_that_overshot_is_remembered_by_the_next_call():
+    # the bound sees half of what a chunk takes (as the windowed passes' copies that no
+    # rule counts): the first call overshoots, warns and shrinks; the next call of the
+    # same problem starts from the size that fitted instead of overshooting again
+    ggnchunk.clear_autotune_cache()
+    sim = SimulatedMemory(fixed=2 * MiB, per_index=2 * MiB)
+    scheduler = ChunkScheduler(max_memory=40 * MiB, tracker=sim, cache_key="underestimated")
+    with pytest.warns(MemoryBudgetWarning, match="above the 40.0 MiB budget"):
+        total, first = scheduler.run(100, sim.run, baseline=0, cost=(2 * MiB, MiB))
+    assert total.item() == sum(range(100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        total, again = scheduler.run(100, sim.run, baseline=0, cost=(2 * MiB, MiB))
+    assert total.item() == sum(range(100))
+    assert again.peak_extra_bytes <= HostMemory.planning_share * 40 * MiB
+    sizes = [[c.stop - c.start for c in r.chunks] for r in (first, again)]
+    assert sizes[0][0] == sizes[1][0] == 1  # the bound's first index
+    assert sizes[0][2] < sizes[0][1]  # the first call shrank after its overshoot ...
+    assert sizes[1][1] == sizes[0][2]  # ... and the next call starts there
+    assert again.peak_extra_bytes < first.peak_extra_bytes
+    ggnchunk.clear_autotune_cache()
+
+
 class _FakeRun:
     """What ``_plan_for_budget`` asks of a computation: bounds with and without caches.
 
