@@ -256,6 +256,7 @@ class BudgetPlanner:
             if peak > budget:  # above the safety target only: shrink quietly
                 self._warn_overshoot(peak, size)
         elif peak > budget and done == 1:  # nothing left to shrink: say so
+            self.ceiling = size = self.overshot = 1
             self._warn_overshoot(peak, 1)
         elif grow and done >= size and len(records) == 1 and peak <= target:
             grown = 2 * done

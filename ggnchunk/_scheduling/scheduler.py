@@ -280,9 +280,14 @@ def _start_from_bound(
         ``(decision, next start, size, grow)``.
     """
     planner.from_cost(cost)
-    start = planner.executor.run_range(0, 1)[-1].stop if planner.total > 1 else 0
+    records = planner.executor.run_range(0, 1) if planner.total > 1 else []
+    start = records[-1].stop if records else 0
     decision = planner.from_cost(cost, check=False)
     size = planner.fit_size(decision)
+    if any((r.peak_extra_bytes or 0) > planner.budget for r in records):
+        # one index alone went above the budget, which the bound does not see: one
+        # index per pass from here (warned), remembered for the next call
+        size = planner.next_size(records, 1, False)
     if not planner.backend.sees_reuse:
         planner.ceiling = size
     return decision, start, size, True

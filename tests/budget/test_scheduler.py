@@ -390,6 +390,21 @@ def test_known_cost_that_overshot_is_remembered_by_the_next_call():
     ggnchunk.clear_autotune_cache()
 
 
+def test_known_cost_whose_one_index_overshot_is_remembered_by_the_next_call():
+    # one index alone is above the budget (a fixed part the bound does not see): the
+    # next call runs one index per pass from its start, not the bound's larger chunks
+    ggnchunk.clear_autotune_cache()
+    sim = SimulatedMemory(fixed=41 * MiB, per_index=MiB)
+    scheduler = ChunkScheduler(max_memory=40 * MiB, tracker=sim, cache_key="one too big")
+    for _ in range(2):
+        with pytest.warns(MemoryBudgetWarning, match="cannot shrink further"):
+            total, report = scheduler.run(20, sim.run, baseline=0, cost=(2 * MiB, MiB))
+        assert total.item() == sum(range(20))
+        assert [c.stop - c.start for c in report.chunks] == [1] * 20
+        assert report.peak_extra_bytes == 42 * MiB
+    ggnchunk.clear_autotune_cache()
+
+
 class _FakeRun:
     """What ``_plan_for_budget`` asks of a computation: bounds with and without caches.
 
