@@ -236,6 +236,14 @@ def _run_adaptive(
             size = min(size, cached.overshot)
             planner.ceiling = min(planner.ceiling, size)
             decision.overshot = cached.overshot
+        elif (
+            cached is None and mode is Mode.BUDGET and not planner.backend.sees_reuse
+            and 4 <= size < total - start
+        ):  # fmt: skip
+            # a problem's first call on the CPU: a fresh heap can take more than the
+            # bound says (and more than later calls); half the bound's size first,
+            # grown from its measured peak to at most the bound's size
+            size //= 2
     elif cached is None:
         decision, start = planner.probe()
         size, grow = min(total, 2), True  # then geometric growth from measured chunks

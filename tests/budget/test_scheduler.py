@@ -368,11 +368,12 @@ def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
 
 
 def test_known_cost_that_overshot_is_remembered_by_the_next_call():
-    # the bound sees half of what a chunk takes (as the windowed passes' copies that no
-    # rule counts): the first call overshoots, warns and shrinks; the next call of the
-    # same problem starts from the size that fitted instead of overshooting again
+    # the bound sees a third of what a chunk takes (as the windowed passes' copies that
+    # no rule counts): the first call overshoots (even at the half size a first call
+    # starts with), warns and shrinks; the next call of the same problem starts from the
+    # size that fitted instead of overshooting again
     ggnchunk.clear_autotune_cache()
-    sim = SimulatedMemory(fixed=2 * MiB, per_index=2 * MiB)
+    sim = SimulatedMemory(fixed=2 * MiB, per_index=3 * MiB)
     scheduler = ChunkScheduler(max_memory=40 * MiB, tracker=sim, cache_key="underestimated")
     with pytest.warns(MemoryBudgetWarning, match="above the 40.0 MiB budget"):
         total, first = scheduler.run(100, sim.run, baseline=0, cost=(2 * MiB, MiB))
@@ -402,6 +403,22 @@ def test_known_cost_whose_one_index_overshot_is_remembered_by_the_next_call():
         assert total.item() == sum(range(20))
         assert [c.stop - c.start for c in report.chunks] == [1] * 20
         assert report.peak_extra_bytes == 42 * MiB
+    ggnchunk.clear_autotune_cache()
+
+
+def test_known_cost_first_call_starts_at_half_the_bound_on_the_cpu():
+    # a problem's first call measures half the bound's size before growing to it: a
+    # bound that underestimates by half is caught before a chunk goes above the budget
+    ggnchunk.clear_autotune_cache()
+    sim = SimulatedMemory(fixed=2 * MiB, per_index=2 * MiB)
+    scheduler = ChunkScheduler(max_memory=40 * MiB, tracker=sim, cache_key="first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        total, report = scheduler.run(100, sim.run, baseline=0, cost=(2 * MiB, MiB))
+    assert total.item() == sum(range(100))
+    # the bound's size (32 here) would have peaked at 66 MiB on the second chunk
+    assert [c.stop - c.start for c in report.chunks][:2] == [1, 16]
+    assert report.peak_extra_bytes <= 40 * MiB
     ggnchunk.clear_autotune_cache()
 
 
