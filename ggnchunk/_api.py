@@ -253,6 +253,7 @@ def _cache_key(problem: Problem, batch: Batch) -> tuple:
     return (
         structure, type(loss).__name__, getattr(loss, "reduction", None), shapes,
         problem.dtype, str(problem.device), torch.get_num_threads(),
+        _windows.ENABLED,  # the two paths' chunks cost differently: remembered apart
     )  # fmt: skip
 
 

@@ -538,6 +538,30 @@ def test_the_trials_outcome_is_remembered_for_later_calls(monkeypatch):
     assert len(trials) == 3  # forgotten
 
 
+def test_budget_plans_of_the_two_paths_are_remembered_apart(monkeypatch):
+    """A dense call's chunk sizes (a column costs its map) never plan a windowed call.
+
+    The benchmark alternates both paths on one problem: with one key, the dense path's
+    remembered overshoot cut the windowed path's chunks (445 -> 85 columns, 784 columns
+    of the output_padding AE at 64 MiB).
+    """
+    from ggnchunk._scheduling.autotune import CACHE
+
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    expected = _expected("tutorial-ae", "mse")
+    ggnchunk.clear_autotune_cache()
+    keys = []
+    for enabled in (False, True, False, True):
+        monkeypatch.setattr(_windows, "ENABLED", enabled)
+        actual = ggnchunk.diag_ggn(model, loss_func, x, targets, max_memory="256MiB")
+        assert_diag_close(actual, expected, rtol=1e-9)
+        keys.append(set(CACHE._entries))
+    assert len(keys[0]) == 1 and len(keys[1]) == 2  # one plan per path
+    assert keys[3] == keys[1]  # each later call finds its own path's plan
+    ggnchunk.clear_autotune_cache()
+
+
 def test_remembered_choices_are_bounded(monkeypatch):
     monkeypatch.setattr(_windows, "_DECIDED_SIZE", 3)
     for key in range(5):
