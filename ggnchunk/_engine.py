@@ -574,13 +574,19 @@ class GGNComputation:
         elif not choice.trial_next or stop - start < 2:
             choice.passes += 1
             self._backward(sqrt, start, stop, True)
-        else:  # the trial: a dense part (a tenth at most), the rest windowed
+        else:  # the trial: a dense part (a tenth at most), a windowed part of the
+            # same size (time per column depends on the size: a small part's vectors
+            # stay in cache and reuse the heap's pages, a large one's pay fresh pages,
+            # so parts of different sizes compare the sizes, not the paths), the rest
+            # windowed
             part = max(
                 1, min(int((stop - start) * self._dense_share), (stop - start) // 10)
             )
-            dense = self._timed(self._part, sqrt, start, start + part, False) / part
-            rest = self._timed(self._part, sqrt, start + part, stop, True)
-            choice.decide(rest / (stop - start - part), dense)
+            dense = self._timed(self._part, sqrt, start, start + part, False)
+            windowed = self._timed(self._part, sqrt, start + part, start + 2 * part, True)
+            choice.decide(windowed / part, dense / part)
+            if start + 2 * part < stop:
+                self._part(sqrt, start + 2 * part, stop, True)
 
     def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""

@@ -433,6 +433,44 @@ def test_trial_passes_mix_paths_exactly(name, monkeypatch):
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
 
+@pytest.mark.parametrize("chunking", [{"num_chunks": 3}, {"max_memory": "256MiB"}])
+def test_trial_times_both_paths_on_parts_of_one_size(chunking, monkeypatch):
+    """The trial compares the paths, not chunk sizes: both timed parts are equal.
+
+    Time per column depends on the size (a small part stays in cache and reuses the
+    heap's pages): timed on a tenth against nine tenths, the U-Net 4×3×32×32 at
+    ``num_chunks=16`` kept the dense path, 2× slower than windows.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    ggnchunk.clear_autotune_cache()
+    timed, decided = [], []
+    run_timed = _engine.GGNComputation._timed
+
+    def spy(self, fn, factor, start, stop, windowed):
+        timed.append((stop - start, windowed))
+        return run_timed(self, fn, factor, start, stop, windowed)
+
+    monkeypatch.setattr(_engine.GGNComputation, "_timed", spy)
+    decide = _windows.Choice.decide
+    monkeypatch.setattr(
+        _windows.Choice, "decide",
+        lambda self, windowed, dense: decided.append(1) or decide(self, windowed, dense),
+    )  # fmt: skip
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    ggnchunk.diag_ggn(model, loss_func, x, targets, **chunking)  # the process's set-up
+    ggnchunk.clear_autotune_cache()  # (its trial remembered, and the warm-up's trials)
+    timed.clear()
+    decided.clear()
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, **chunking)
+    assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
+    assert decided == [1]
+    assert sorted(w for _, w in timed) == [False, True]
+    assert timed[0][0] == timed[1][0]
+    ggnchunk.clear_autotune_cache()
+
+
 @pytest.mark.parametrize("faster", ["dense", "windowed"])
 def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
     """Chunks planned with the windowed bound; dense passes run them in parts.
