@@ -215,7 +215,33 @@ class Windowed:
         """
         out = self._dense_data()
         if self.has_fields:
-            out = out + mix(self.coeffs, self.fields)
+            mixed = mix(self.coeffs, self.fields)
+            if _expanded(out) or out.shape != mixed.shape:
+                return out + mixed
+            out += mixed  # a new tensor: added in place (no third map allocated)
+        return out
+
+    def add_to(self, out: Tensor) -> Tensor:
+        """Add the block (fields included) into dense vectors ``out``, in place.
+
+        Args:
+            out: ``[V, N, C, *S]``, a tensor the caller owns (no stride-0 axis).
+
+        Returns:
+            ``out``.
+        """
+        if self.has_fields:
+            out += mix(self.coeffs, self.fields)
+        data = self.data
+        v, n, c = out.shape[:3]
+        if self.sample_free:
+            data = data[:, :1]
+        index, inside = _positions(self.start, self.box, self.size)  # [V, Pb]
+        flat = data.reshape(v, data.shape[1], c, -1)
+        flat = flat * inside.view(v, 1, 1, -1).to(flat.dtype)  # stay inside the map
+        flat = flat.expand(v, n, c, flat.shape[3])
+        target = out.view(v, n, c, -1)
+        target.scatter_add_(3, index.view(v, 1, 1, -1).expand_as(flat), flat)
         return out
 
     def _dense_data(self) -> Tensor:
@@ -269,6 +295,11 @@ class Windowed:
             A block on the same boxes.
         """
         return Windowed(data, self.start, self.size)
+
+
+def _expanded(values: Tensor) -> bool:
+    """Whether some axis of ``values`` repeats one memory (stride 0, size above 1)."""
+    return any(s == 0 and n > 1 for s, n in zip(values.stride(), values.shape, strict=True))
 
 
 class FieldCache:
@@ -716,6 +747,18 @@ def add(old: Any, value: Any, cache: FieldCache | None = None) -> Any:
             fields, coeffs, origin = joined([a, b], cache)
             summed = Windowed(a.data + b.data, lo, old.size)
             return attach(summed, fields, coeffs, origin)
+    if isinstance(value, Windowed) or isinstance(old, Windowed):
+        # one map allocated, not three: the other side as a new tensor, the block
+        # added into it in place
+        base, block = (old, value) if isinstance(value, Windowed) else (value, old)
+        fresh = isinstance(base, Windowed)
+        base = dense(base)
+        if base.shape == block.shape and base.dtype == block.data.dtype:
+            if not fresh:
+                base = base.clone(memory_format=torch.contiguous_format)
+            elif not base.is_contiguous():  # a stride-0 sample axis, say
+                base = base.contiguous()
+            return block.add_to(base)
     return dense(old) + dense(value)
 
 

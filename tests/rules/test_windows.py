@@ -368,6 +368,47 @@ def test_blocks_add_on_the_union_of_their_boxes():
     assert torch.equal(_windows.dense(total), a + b)
 
 
+@pytest.mark.parametrize("fields", [False, True])
+@pytest.mark.parametrize("sample_free", [False, True])
+@pytest.mark.parametrize("other", ["dense", "dense-expanded", "windowed-wide"])
+def test_blocks_added_to_dense_vectors_leave_the_operands_unchanged(
+    other, sample_free, fields
+):
+    """A block meeting dense vectors is added into a new tensor in place.
+
+    The same for a block whose union with another covers the map: the sum is right
+    either way round, and neither operand changes (the dense side may be a tensor the
+    sweep still holds).
+    """
+    torch.manual_seed(5)
+    dense = _random_block()
+    if sample_free:
+        dense = dense[:, :1].expand_as(dense)
+    block = _windows.window(dense)
+    assert isinstance(block, _windows.Windowed) and block.sample_free == sample_free
+    expected = dense.clone()
+    if fields:
+        f = torch.randn(2, 3, 2, 7, 6, dtype=torch.float64)
+        c = torch.randn(5, 3, 2, dtype=torch.float64)
+        block = _windows.attach(block, f, c)
+        expected = expected + torch.einsum("vnk,knchw->vnchw", c, f)
+    if other == "windowed-wide":  # boxes at opposite corners: their union is the map
+        wide = torch.zeros_like(dense)
+        wide[..., -1, -1] = torch.randn(5, 3, 2, dtype=torch.float64)
+        wide[..., 0, 0] = 1.0
+        side = _windows.Windowed(wide, torch.zeros(5, 2, dtype=torch.int64), (7, 6))
+        side_dense = wide
+    else:
+        side_dense = torch.randn(5, 1 if other == "dense-expanded" else 3, 2, 7, 6,
+                                 dtype=torch.float64).expand(5, 3, 2, 7, 6)  # fmt: skip
+        side = side_dense
+    before = (block.data.clone(), _windows.dense(side).clone())
+    for total in (_windows.add(block, side), _windows.add(side, block)):
+        assert torch.allclose(total, expected + side_dense, rtol=1e-14, atol=1e-14)
+        assert torch.equal(block.data, before[0])
+        assert torch.equal(_windows.dense(side), before[1])
+
+
 def test_rebox_outside_the_map_keeps_values_and_zeros():
     dense = _random_block()
     block = _windows.window(dense)
