@@ -574,19 +574,22 @@ class GGNComputation:
         elif not choice.trial_next or stop - start < 2:
             choice.passes += 1
             self._backward(sqrt, start, stop, True)
-        else:  # the trial: a dense part (a tenth at most), a windowed part of the
-            # same size (time per column depends on the size: a small part's vectors
-            # stay in cache and reuse the heap's pages, a large one's pay fresh pages,
-            # so parts of different sizes compare the sizes, not the paths), the rest
-            # windowed
-            part = max(
-                1, min(int((stop - start) * self._dense_share), (stop - start) // 10)
-            )
-            dense = self._timed(self._part, sqrt, start, start + part, False)
-            windowed = self._timed(self._part, sqrt, start + part, start + 2 * part, True)
-            choice.decide(windowed / part, dense / part)
-            if start + 2 * part < stop:
-                self._part(sqrt, start + 2 * part, stop, True)
+        else:  # the trial: each path timed at the size of part it will run
+            # (time per column depends on the size: a small part's vectors stay in
+            # cache and reuse the heap's pages, a large one's pay fresh pages)
+            run = max(1, int((stop - start) * self._dense_share))  # dense passes' parts
+            part = max(1, min(run, (stop - start) // 10))  # the trial's dense part
+            dense = self._timed(self._part, sqrt, start, start + part, False) / part
+            if part < run:  # dense would run larger parts than the trial affords:
+                # time windows on a part of the same size (then the rest windowed)
+                end = start + 2 * part
+                windowed = self._timed(self._part, sqrt, start + part, end, True) / part
+                choice.decide(windowed, dense)
+                if end < stop:
+                    self._part(sqrt, end, stop, True)
+            else:  # dense runs parts of this size: windows at their own, the rest
+                rest = self._timed(self._part, sqrt, start + part, stop, True)
+                choice.decide(rest / (stop - start - part), dense)
 
     def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""

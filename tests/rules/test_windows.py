@@ -474,13 +474,21 @@ def test_trial_passes_mix_paths_exactly(name, monkeypatch):
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
 
-@pytest.mark.parametrize("chunking", [{"num_chunks": 3}, {"max_memory": "256MiB"}])
-def test_trial_times_both_paths_on_parts_of_one_size(chunking, monkeypatch):
-    """The trial compares the paths, not chunk sizes: both timed parts are equal.
+@pytest.mark.parametrize(
+    ("chunking", "dense_share"),
+    [({"num_chunks": 3}, None), ({"max_memory": "256MiB"}, None),
+     ({"max_memory": "256MiB"}, 0.02)],  # dense passes in parts of a fiftieth
+)  # fmt: skip
+def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkeypatch):
+    """The trial compares the paths, not part sizes.
 
     Time per column depends on the size (a small part stays in cache and reuses the
-    heap's pages): timed on a tenth against nine tenths, the U-Net 4×3×32×32 at
-    ``num_chunks=16`` kept the dense path, 2× slower than windows.
+    heap's pages). Dense passes run a chunk planned for windows in parts (a budget) or
+    whole (fixed chunks). Where the trial's dense part is smaller than that, a windowed
+    part of the same size is timed (a tenth against nine tenths made the U-Net
+    4×3×32×32 at ``num_chunks=16`` keep the dense path, 2× slower); where it is the
+    size dense passes run, windows are timed on the rest of the chunk (equal one-column
+    parts made the same U-Net at 300 MiB keep dense passes of one column, 3× slower).
     """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
@@ -490,7 +498,7 @@ def test_trial_times_both_paths_on_parts_of_one_size(chunking, monkeypatch):
     run_timed = _engine.GGNComputation._timed
 
     def spy(self, fn, factor, start, stop, windowed):
-        timed.append((stop - start, windowed))
+        timed.append((stop - start, windowed, self._dense_share))
         return run_timed(self, fn, factor, start, stop, windowed)
 
     monkeypatch.setattr(_engine.GGNComputation, "_timed", spy)
@@ -504,11 +512,27 @@ def test_trial_times_both_paths_on_parts_of_one_size(chunking, monkeypatch):
     ggnchunk.clear_autotune_cache()  # (its trial remembered, and the warm-up's trials)
     timed.clear()
     decided.clear()
+    sizes = []
+    backward = _engine.GGNComputation.backward
+
+    def chunks(self, start, stop):
+        if dense_share is not None:
+            self._dense_share = min(self._dense_share, dense_share)
+        sizes.append(stop - start)
+        return backward(self, start, stop)
+
+    monkeypatch.setattr(_engine.GGNComputation, "backward", chunks)
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, **chunking)
     assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
     assert decided == [1]
-    assert sorted(w for _, w in timed) == [False, True]
-    assert timed[0][0] == timed[1][0]
+    (dense, _, share), (windowed, _, _) = sorted(timed, key=lambda t: t[1])
+    assert [w for _, w, _ in timed] == [False, True]
+    chunk = next(s for s in sizes if s >= 2 and dense + windowed <= s)
+    runs = max(1, int(chunk * share))  # the parts dense passes run
+    if dense < runs:
+        assert windowed == dense
+    else:
+        assert dense == runs and windowed == chunk - dense
     ggnchunk.clear_autotune_cache()
 
 
