@@ -217,7 +217,7 @@ class Windowed:
         out = self._dense_data()
         if self.has_fields:
             mixed = mix(self.coeffs, self.fields)
-            if _expanded(out) or out.shape != mixed.shape:
+            if not out.is_contiguous() or out.shape != mixed.shape:  # stride-0 samples
                 return out + mixed
             out += mixed  # a new tensor: added in place (no third map allocated)
         return out
@@ -233,31 +233,25 @@ class Windowed:
         """
         if self.has_fields:
             out += mix(self.coeffs, self.fields)
-        data = self.data
-        v, n, c = out.shape[:3]
-        if self.sample_free:
-            data = data[:, :1]
-        index, inside = _positions(self.start, self.box, self.size)  # [V, Pb]
-        flat = data.reshape(v, data.shape[1], c, -1)
-        flat = flat * inside.view(v, 1, 1, -1).to(flat.dtype)  # stay inside the map
-        flat = flat.expand(v, n, c, flat.shape[3])
-        target = out.view(v, n, c, -1)
-        target.scatter_add_(3, index.view(v, 1, 1, -1).expand_as(flat), flat)
+        self._scatter_data(out.view(*out.shape[:3], -1))
         return out
 
     def _dense_data(self) -> Tensor:
-        data = self.data
-        v, n, c = data.shape[:3]
-        free = self.sample_free
-        if free:
-            data = data[:, :1]
+        v, n, c = self.data.shape[:3]
+        samples = 1 if self.sample_free else n
+        out = self.data.new_zeros(v, samples, c, *self.size)
+        self._scatter_data(out.view(v, samples, c, -1))
+        return out.expand(v, n, *out.shape[2:]) if self.sample_free else out
+
+    def _scatter_data(self, target: Tensor) -> None:
+        """Add the windowed part into ``target`` ``[V, N or 1, C, prod(S)]``, in place."""
+        data = self.data[:, :1] if self.sample_free else self.data
+        v, samples, c = target.shape[:3]
         index, inside = _positions(self.start, self.box, self.size)  # [V, Pb]
         flat = data.reshape(v, data.shape[1], c, -1)
         flat = flat * inside.view(v, 1, 1, -1).to(flat.dtype)  # stay inside the map
-        out = flat.new_zeros(v, flat.shape[1], c, math.prod(self.size))
-        out.scatter_add_(3, index.view(v, 1, 1, -1).expand_as(flat), flat)
-        out = out.view(v, flat.shape[1], c, *self.size)
-        return out.expand(v, n, *out.shape[2:]) if free else out
+        flat = flat.expand(v, samples, c, flat.shape[3])
+        target.scatter_add_(3, index.view(v, 1, 1, -1).expand_as(flat), flat)
 
     def rebox(self, start: Tensor, box: tuple[int, ...]) -> Windowed:
         """The windowed part on other boxes (entries outside the old box are zero).
@@ -296,11 +290,6 @@ class Windowed:
             A block on the same boxes.
         """
         return Windowed(data, self.start, self.size)
-
-
-def _expanded(values: Tensor) -> bool:
-    """Whether some axis of ``values`` repeats one memory (stride 0, size above 1)."""
-    return any(s == 0 and n > 1 for s, n in zip(values.stride(), values.shape, strict=True))
 
 
 class FieldCache:
