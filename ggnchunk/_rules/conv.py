@@ -446,45 +446,54 @@ class ConvTransposeRule(LayerRule):
         return start, box, block.rebox(start * s - p, region)
 
     def diag_windowed(self, ctx, block):
-        module, x, out = ctx.module, ctx.x, {}
+        module, out = ctx.module, {}
         v, n, c = block.data.shape[:3]
         fields = self._field_products(ctx, block)
         if trainable(module, "weight"):
-            dims = x.dim() - 2
-            kernel, stride, _, dilation = self._geometry(module, dims)
-            start, box, region = self._region(ctx, block)
-            g = module.groups
-            ci, pb = x.shape[1], math.prod(box)
-            view = window_view(
-                region.data.reshape(v * n, c, *region.box), kernel, stride, 0, dilation
-            )  # [V*N, Cout, *kernel, *box]
-            view = view.reshape(v, n, c, *view.shape[2:])
-            offsets = [()]
-            for k in kernel:
-                offsets = [(*o, i) for o in offsets for i in range(k)]
-            result = x.new_zeros(g, c // g, len(offsets), ci // g)
-            phi = None
-            if fields is not None:  # [K, N, G, Cout/G, Cin/G, offsets]
-                phi = fields["weight"].view(-1, n, g, ci // g, c // g, len(offsets))
-                phi = phi.transpose(3, 4)
-            step = max(1, BLOCK // max(n * (ci + c) * pb, 1))
-            for i in range(0, v, step):
-                b = gather(x, start[i : i + step], box, tuple(x.shape[2:]))
-                b = b.reshape(-1, n, g, ci // g, pb)  # the inputs on each column's box
-                for j, offset in enumerate(offsets):
-                    index = (slice(i, i + step), slice(None), slice(None), *offset)
-                    a = view[index].reshape(-1, n, g, c // g, pb)
-                    prod = torch.matmul(a, b.transpose(-1, -2))
-                    if phi is not None:
-                        prod = prod + mix(block.coeffs[i : i + step], phi[..., j])
-                    result[:, :, j] += prod.square_().sum((0, 1))
-            out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
+            out["weight"] = self._weight_windowed(ctx, block, fields)
         if trainable(module, "bias"):
             sums = block.data.reshape(v, n, c, -1).sum(3)
             if fields is not None:
                 sums = sums + mix(block.coeffs, fields["bias"])
             out["bias"] = sums.square().sum((0, 1))
         return out
+
+    def _weight_windowed(self, ctx: RuleContext, block: Windowed, fields: Any) -> Tensor:
+        """``sum_{v,n}`` of squared weight products, each column on its box.
+
+        One column's products are the weight gradient of a transposed convolution of
+        the inputs under its box that wrote the output region its vectors lie in: all
+        columns and samples at once as a grouped transposed convolution's weight
+        gradient (one group per column, sample and group of the layer). One kernel call
+        per block of columns, where a loop over the kernel's offsets ran one small
+        batched product each (1.6x slower on the 28x28 decoder's 16->8 layer).
+        """
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        kernel, stride, _, dilation = self._geometry(module, dims)
+        start, box, region = self._region(ctx, block)
+        data = region.data
+        v, n, c = data.shape[:3]
+        g, ci = module.groups, x.shape[1]
+        weight = module.weight
+        size = tuple(x.shape[2:])
+        per = n * (c * math.prod(region.box) + ci * math.prod(box) + weight.numel())
+        step = max(1, BLOCK // max(per, 1))
+        total = data.new_zeros(weight.shape)
+        for i in range(0, v, step):
+            grads = data[i : i + step]
+            count = grads.shape[0] * n
+            inputs = gather(x, start[i : i + step], box, size)  # zero outside the map
+            prods = torch.ops.aten.convolution_backward(
+                grads.reshape(1, count * c, *region.box),
+                inputs.reshape(1, count * ci, *box),
+                weight.new_empty(1).expand(count * ci, c // g, *kernel), None, stride,
+                [0] * dims, dilation, True, [0] * dims, count * g, [False, True, False],
+            )[1].view(-1, n, *weight.shape)  # fmt: skip
+            if fields is not None:
+                prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
+            total += prods.square_().sum((0, 1))
+        return total
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x

@@ -74,6 +74,8 @@ LAYERS = {
         (2, 5, 5),
     ),
     "avgpool2d-divisor": (lambda: nn.AvgPool2d(2, divisor_override=3), (2, 4, 4)),
+    # windows that tile the input, with rows and columns no window reads
+    "avgpool2d-tiles-remainder": (lambda: nn.AvgPool2d((3, 2)), (2, 7, 5)),
     "maxpool2d": (lambda: nn.MaxPool2d(2), (2, 4, 4)),
     "maxpool2d-overlap-pad-dilation": (
         lambda: nn.MaxPool2d(3, stride=2, padding=1, dilation=1, ceil_mode=True),

@@ -199,6 +199,18 @@ MODELS = {
     "attention-bottleneck": lambda: AttentionBottleneck(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
+    # a norm over positions after grouped, dilated transposed convolutions: the blocks
+    # reach them with fields (the windowed weight products add the fields' products)
+    "groupnorm-after-convT": lambda: nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1),
+        nn.SiLU(),
+        nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=2),
+        nn.GroupNorm(2, 4),
+        nn.SiLU(),
+        nn.ConvTranspose2d(4, 2, 3, padding=2, dilation=2),
+        nn.GroupNorm(1, 2),
+        nn.Conv2d(2, 2, 1),
+    ),
 }
 SHAPES = {
     "conv1d": (2, 16),
