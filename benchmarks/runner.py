@@ -98,7 +98,7 @@ def run_here(
 
     ``params`` go to the method, except ``float64`` (run the problem in float64).
     """
-    from torch.utils.flop_counter import FlopCounterMode
+    from benchmarks.flops import flop_counter
 
     params = dict(params)
     record = {
@@ -132,7 +132,7 @@ def run_here(
     # without ``cold`` warms up untimed and counts floating-point operations there;
     # otherwise an extra, untimed call at the end counts them.
     count_now = flops and mode == "memory" and not cold
-    counter = FlopCounterMode(display=False) if count_now else contextlib.nullcontext()
+    counter = flop_counter() if count_now else contextlib.nullcontext()
     diag = None
     if mode in ("memory", "both"):
         if cold:
@@ -185,7 +185,7 @@ def run_here(
         record["times_s"] = times
         record["median_s"] = statistics.median(times) if times else record["first_call_s"]
     if flops and "flops" not in record:
-        with FlopCounterMode(display=False) as late_counter:
+        with flop_counter() as late_counter:
             diag = _unpack(call(), record)
         record["flops"] = late_counter.get_total_flops()
     if save_diag and diag is not None:

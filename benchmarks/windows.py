@@ -4,7 +4,12 @@
 for each problem and chunking (the same budget, or the same fixed number of chunks), in
 one process at 1 thread, the same ``diag_ggn`` call with the windowed path on and off
 (``ggnchunk._windows.ENABLED``), alternating, one untimed call of each, then one timed
-(the 64×64 U-Net: one timed call each, first calls). Writes ``windows.json``,
+(the 64×64 U-Net: one timed call each, first calls), then one untimed call of each
+under torch's ``FlopCounterMode`` (grouped convolutions' backward counted right,
+:mod:`benchmarks.flops`): the floating-point operations each
+path really runs (the windowed path's on its boxes, zero-padded entries included), as
+GFLOP/s and % of the float32 matmul peak measured at the start of the run (the 64×64
+U-Net's dense path is not counted: minutes more). Writes ``windows.json``,
 ``windows.md`` and, with matplotlib, ``windows.png`` into ``--out``
 (default ``benchmarks/results/windows``). Run it alone on the machine: other work beside
 it moves the ratios several-fold.
@@ -30,6 +35,7 @@ PROBLEMS = {
     "unet_64": ("1GiB", 128, "U-Net 2×3×64×64, width 16", 5.0),
 }
 ROUNDS = {"unet_64": 1}  # timed calls per path (the others: one untimed, then one)
+UNCOUNTED = {("unet_64", "dense")}  # FLOPs not counted (an extra call takes minutes)
 
 
 def _measure(name: str, chunking: str) -> dict:
@@ -37,6 +43,7 @@ def _measure(name: str, chunking: str) -> dict:
     import torch
 
     import ggnchunk
+    from benchmarks.flops import flop_counter
     from benchmarks.problems import build
     from ggnchunk import _windows
 
@@ -64,6 +71,15 @@ def _measure(name: str, chunking: str) -> dict:
                 "peak_MiB": (report.peak_extra_bytes or 0) / 2**20,
                 "windowed": report.windowed, "window_ends": report.window_ends,
             }  # fmt: skip
+    flops: dict[str, int | None] = {}
+    for method in ("windowed", "dense"):
+        flops[method] = None
+        if (name, method) in UNCOUNTED:
+            continue
+        _windows.ENABLED = method == "windowed"
+        with flop_counter() as counter:
+            ggnchunk.diag_ggn(model, loss_func, x, targets, **params)
+        flops[method] = counter.get_total_flops()
     _windows.ENABLED = True
     gap = max(
         float((diags["windowed"][k] - diags["dense"][k]).abs().max())
@@ -75,7 +91,7 @@ def _measure(name: str, chunking: str) -> dict:
         "warm": rounds > 1,
         "windowed_s": min(times["windowed"]), "dense_s": min(times["dense"]),
         "speedup": min(times["dense"]) / min(times["windowed"]),
-        "relative_gap": gap, "info": info,
+        "relative_gap": gap, "info": info, "flops": flops,
     }  # fmt: skip
 
 
@@ -87,12 +103,18 @@ def _table(rows: list[dict], environment: dict) -> str:
         f"{environment['machine']}, torch {environment['torch']}, commit "
         f"{environment['commit']}. Warm calls, same budget, both paths of the same commit "
         "in one process, alternating; float32 results of the two paths agree to the "
-        "relative gap shown.",
+        "relative gap shown. GFLOP/s: the operations each path really runs, counted by "
+        "torch's `FlopCounterMode` (grouped convolutions' backward counted right, "
+        "`benchmarks/flops.py`) in one more call (the windowed path's on its boxes), "
+        "per second of the timed call; % of the float32 matmul peak "
+        f"({environment.get('matmul_peak', 0) / 1e9:.1f} GFLOP/s, 1 thread).",
         "",
         "| problem | chunking | dense | windowed | speed-up | target "
-        "| passes (windowed/dense) | windows ended at | gap |",
-        "|---|---|---:|---:|---:|---:|---|---|---:|",
+        "| passes (windowed/dense) | GFLOP (windowed/dense) "
+        "| GFLOP/s, % of peak (windowed / dense) | windows ended at | gap |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
+    peak = environment.get("matmul_peak") or 0.0
     for row in rows:
         _, _, title, target = PROBLEMS[row["problem"]]
         chunking = ", ".join(f"{k}={v}" for k, v in row["params"].items())
@@ -103,10 +125,22 @@ def _table(rows: list[dict], environment: dict) -> str:
         met = "" if target is None else (
             f"≥ {target:g}× {'met' if row['speedup'] >= target else 'NOT met'}"
         )  # fmt: skip
+        counted, rates = [], []
+        for method in ("windowed", "dense"):
+            count = (row.get("flops") or {}).get(method)
+            if count is None:
+                counted.append("not counted")
+                rates.append("–")
+                continue
+            rate = count / row[f"{method}_s"]
+            counted.append(f"{count / 1e9:.2f}")
+            share = f", {100 * rate / peak:.0f}%" if peak else ""
+            rates.append(f"{rate / 1e9:.1f}{share}")
         lines.append(
             f"| {title} | {chunking} | {row['dense_s']:.2f} s | "
             f"{row['windowed_s']:.2f} s | {row['speedup']:.2f}× | {met} | "
-            f"{info['windowed']['passes']}/{info['dense']['passes']} | {ends} | "
+            f"{info['windowed']['passes']}/{info['dense']['passes']} | "
+            f"{' / '.join(counted)} | {' / '.join(rates)} | {ends} | "
             f"{row['relative_gap']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -158,7 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(_measure(*args.child)))
         return
+    from benchmarks.__main__ import matmul_peak
+
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    peak = matmul_peak("cpu", 1)
+    print(f"float32 matmul peak, 1 thread: {peak / 1e9:.1f} GFLOP/s", flush=True)
     rows = []
     for name in args.only:
         for chunking in args.chunking:
@@ -177,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     environment = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__, "commit": commit or "unknown",
+        "torch": torch.__version__, "commit": commit or "unknown", "matmul_peak": peak,
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -288,3 +290,32 @@ def test_the_first_call_is_timed_with_its_set_up_and_no_flop_counter(mode, monke
     assert record["first_call_plain"] and record["first_call_s"] >= 0.5
     assert max(record["times_s"]) < 0.5 <= record["first_call_s"]
     assert record["flops"] > 0 and calls[-1] == 1  # counted on an extra call
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_flop_counter_counts_a_grouped_convolution_as_its_groups(groups, transposed):
+    """The backward of a grouped convolution costs what its groups cost one by one.
+
+    Each group counted on its own by torch's stock counter (whose formula is right
+    without groups) against the grouped call counted by ``benchmarks.flops``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.flops import flop_counter
+
+    conv = F.conv_transpose2d if transposed else F.conv2d
+    x = torch.randn(2, 8, 9, 9, requires_grad=True)
+    w = torch.randn(8, 8 // groups, 3, 3, requires_grad=True)
+    y = conv(x, w, stride=2, dilation=2, groups=groups)
+    g = torch.randn_like(y)
+    with flop_counter() as grouped:
+        torch.autograd.grad(y, (x, w), g)
+    per_group = 0
+    parts = zip(x.chunk(groups, 1), w.chunk(groups, 0), g.chunk(groups, 1), strict=True)
+    for xs, ws, gs in parts:
+        ys = conv(xs, ws, stride=2, dilation=2)
+        with FlopCounterMode(display=False) as one:
+            torch.autograd.grad(ys, (xs, ws), gs)
+        per_group += one.get_total_flops()
+    assert grouped.get_total_flops() == per_group > 0
