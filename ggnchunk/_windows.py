@@ -78,10 +78,10 @@ class Choice:
     Both paths are exact; which is faster depends on the model (how soon the boxes fill
     the maps, how much glue there is). The first pass runs windowed (it pays the
     one-time caches); the second is the trial: a part of it (what a dense pass may hold
-    under the budget, a tenth at most) runs dense, and windows are timed at the size they
-    run (the rest of the chunk), or on a part as large as the dense one where dense
-    passes would run larger parts than the trial affords (time per column depends on the
-    size); the path with the smaller time per column takes every later pass.
+    under the budget, half the chunk at most) runs dense, and windows are timed at the
+    size they run (the rest of the chunk), or on a part as large as the dense one where
+    dense passes would run larger parts than the trial affords (time per column depends
+    on the size); the path with the smaller time per column takes every later pass.
     The outcome is remembered under ``key``: a later call on the same problem starts
     from it and runs no trial.
 

@@ -497,8 +497,10 @@ def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkey
     Time per column depends on the size (a small part stays in cache and reuses the
     heap's pages). Dense passes run a chunk planned for windows in parts (a budget) or
     whole (fixed chunks). Where the trial's dense part is smaller than that, a windowed
-    part of the same size is timed (a tenth against nine tenths made the U-Net
-    4×3×32×32 at ``num_chunks=16`` keep the dense path, 2× slower); where it is the
+    part of the same size is timed (at most half the chunk each; a tenth against nine
+    tenths made the U-Net 4×3×32×32 at ``num_chunks=16`` keep the dense path, 2× slower;
+    equal tenths kept it on the kernel-4 28×28 autoencoder at 64 MiB, where dense
+    passes ran 89 columns, not 21: 0.99× of dense); where it is the
     size dense passes run, windows are timed on the rest of the chunk (equal one-column
     parts made the same U-Net at 300 MiB keep dense passes of one column, 3× slower).
     """
