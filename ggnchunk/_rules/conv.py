@@ -69,6 +69,58 @@ def _transposed_box(
     return Windowed(result, start, size)
 
 
+def _weight_squares(
+    ctx: RuleContext, block: Windowed, start: Tensor, box: tuple[int, ...], fields: Any,
+    transposed: bool,
+) -> Tensor:  # fmt: skip
+    """``sum_{v,n}`` of squared weight products of a (transposed) convolution on boxes.
+
+    One column's products are the weight gradient of the layer on the inputs under its
+    box ``start``/``box`` with the vectors of ``block`` (the outputs those inputs
+    reach): all columns and samples at once as a grouped convolution's weight gradient
+    (one group per column, sample and group of the layer), no unfolded patches.
+
+    Args:
+        ctx: The layer's context.
+        block: ``[V, N, Cout, *out box]`` vectors at the layer's output (with fields'
+            coefficients where ``fields`` is given).
+        start: ``[V, d]`` input box starts (inputs outside the map read as zero).
+        box: The input box size.
+        fields: The fields' per-sample products (``{"weight": [K, N, *weight]}``) or
+            ``None``.
+        transposed: A transposed convolution (weights ``[Cin, Cout/G, *k]``).
+
+    Returns:
+        ``weight.shape``.
+    """
+    module, x = ctx.module, ctx.x
+    dims = x.dim() - 2
+    kernel, stride, dilation = (
+        as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
+    )
+    data, out_box, size = block.data, block.box, tuple(x.shape[2:])
+    v, n, c = data.shape[:3]
+    g, ci = module.groups, x.shape[1]
+    weight = module.weight
+    per = n * (c * math.prod(out_box) + ci * math.prod(box) + weight.numel())
+    step = max(1, BLOCK // max(per, 1))
+    total = data.new_zeros(weight.shape)
+    for i in range(0, v, step):
+        grads = data[i : i + step]
+        count = grads.shape[0] * n
+        inputs = gather(x, start[i : i + step], box, size)  # zero outside the map
+        rows = (count * ci, c // g) if transposed else (count * c, ci // g)
+        prods = torch.ops.aten.convolution_backward(
+            grads.reshape(1, count * c, *out_box), inputs.reshape(1, count * ci, *box),
+            weight.new_empty(1).expand(*rows, *kernel), None, stride, [0] * dims,
+            dilation, transposed, [0] * dims, count * g, [False, True, False],
+        )[1].view(-1, n, *weight.shape)  # fmt: skip
+        if fields is not None:
+            prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
+        total += prods.square_().sum((0, 1))
+    return total
+
+
 class ConvRule(LayerRule):
     """``nn.Conv1d/2d/3d``: any stride, padding (also ``"same"``, non-zero modes), groups.
 
@@ -259,33 +311,12 @@ class ConvRule(LayerRule):
             as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
         )
         left = [p[0] for p in explicit_padding(module, dims)]
-        data = block.data
-        v, n, c = data.shape[:3]
-        g, ci = module.groups, x.shape[1]
         region = tuple(
             (b - 1) * s + (k - 1) * d + 1
             for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
         )
         start = block.start * torch.tensor(stride) - torch.tensor(left)
-        size = tuple(x.shape[2:])
-        weight = module.weight
-        per = n * (c * math.prod(block.box) + ci * math.prod(region) + weight.numel())
-        step = max(1, BLOCK // max(per, 1))
-        total = data.new_zeros(weight.shape)
-        for i in range(0, v, step):
-            grads = data[i : i + step]
-            count = grads.shape[0] * n
-            inputs = gather(x, start[i : i + step], region, size)  # zero-padded
-            prods = torch.ops.aten.convolution_backward(
-                grads.reshape(1, count * c, *block.box),
-                inputs.reshape(1, count * ci, *region),
-                weight.new_empty(1).expand(count * c, ci // g, *kernel), None, stride,
-                [0] * dims, dilation, False, [0] * dims, count * g, [False, True, False],
-            )[1].view(-1, n, *weight.shape)  # fmt: skip
-            if fields is not None:
-                prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
-            total += prods.square_().sum((0, 1))
-        return total
+        return _weight_squares(ctx, block, start, region, fields, transposed=False)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x
@@ -468,32 +499,8 @@ class ConvTransposeRule(LayerRule):
         per block of columns, where a loop over the kernel's offsets ran one small
         batched product each (1.6x slower on the 28x28 decoder's 16->8 layer).
         """
-        module, x = ctx.module, ctx.x
-        dims = x.dim() - 2
-        kernel, stride, _, dilation = self._geometry(module, dims)
         start, box, region = self._region(ctx, block)
-        data = region.data
-        v, n, c = data.shape[:3]
-        g, ci = module.groups, x.shape[1]
-        weight = module.weight
-        size = tuple(x.shape[2:])
-        per = n * (c * math.prod(region.box) + ci * math.prod(box) + weight.numel())
-        step = max(1, BLOCK // max(per, 1))
-        total = data.new_zeros(weight.shape)
-        for i in range(0, v, step):
-            grads = data[i : i + step]
-            count = grads.shape[0] * n
-            inputs = gather(x, start[i : i + step], box, size)  # zero outside the map
-            prods = torch.ops.aten.convolution_backward(
-                grads.reshape(1, count * c, *region.box),
-                inputs.reshape(1, count * ci, *box),
-                weight.new_empty(1).expand(count * ci, c // g, *kernel), None, stride,
-                [0] * dims, dilation, True, [0] * dims, count * g, [False, True, False],
-            )[1].view(-1, n, *weight.shape)  # fmt: skip
-            if fields is not None:
-                prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
-            total += prods.square_().sum((0, 1))
-        return total
+        return _weight_squares(ctx, region, start, box, fields, transposed=True)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x
