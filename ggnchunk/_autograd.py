@@ -311,6 +311,31 @@ def blocked(edges: Sequence[GradientEdge]) -> Iterator[None]:
             handle.remove()
 
 
+def sole_storage_owner(tensor: Tensor) -> bool:
+    """Whether no other tensor shares ``tensor``'s memory (the root of a view aside).
+
+    Counts the references to the storage (``torch._C._storage_Use_Count``): one per
+    tensor sharing it, one for the storage object asked for here, one more where
+    ``tensor`` is a view (its root). Another view, an autograd graph's saved copy or a
+    user's alias of the memory makes it more. The same tensor object held twice is not
+    seen: callers check their own containers. False where torch lacks the count.
+
+    Args:
+        tensor: A dense tensor.
+
+    Returns:
+        Whether writing into ``tensor`` in place can change no other tensor.
+    """
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    try:
+        uses = count(tensor.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return uses == (2 if tensor._base is None else 3)
+
+
 def warm_up() -> None:
     """Pay the one-time set-up of batched backward passes now (about 40 MiB, 0.3 s).
 

@@ -216,10 +216,9 @@ class Windowed:
         """
         out = self._dense_data()
         if self.has_fields:
-            mixed = mix(self.coeffs, self.fields)
-            if not out.is_contiguous() or out.shape != mixed.shape:  # stride-0 samples
-                return out + mixed
-            out += mixed  # a new tensor: added in place (no third map allocated)
+            if not out.is_contiguous() or out.shape[1] != self.fields.shape[1]:
+                return out + mix(self.coeffs, self.fields)  # stride-0 samples
+            mix(self.coeffs, self.fields, into=out)  # a new tensor: added in place
         return out
 
     def add_to(self, out: Tensor) -> Tensor:
@@ -232,7 +231,7 @@ class Windowed:
             ``out``.
         """
         if self.has_fields:
-            out += mix(self.coeffs, self.fields)
+            mix(self.coeffs, self.fields, into=out)
         self._scatter_data(out.view(*out.shape[:3], -1))
         return out
 
@@ -434,23 +433,36 @@ def _nbytes(value: Any) -> int:
     return total
 
 
-def mix(coeffs: Tensor, fields: Tensor) -> Tensor:
-    """``sum_k coeffs[v, n, k] * fields[k, n, ...]``.
+def mix(coeffs: Tensor, fields: Tensor, into: Tensor | None = None) -> Tensor:
+    """``sum_k coeffs[v, n, k] * fields[k, n, ...]``, or that added into ``into``.
+
+    One batched product per sample written straight into ``[V, N, ...]`` order: the
+    product's own ``[N, V, ...]`` result, transposed, made every later addition a
+    strided one (4x slower than the product on the U-Net's 16x32x32 maps).
 
     Args:
         coeffs: ``[V, N, K]``.
         fields: ``[K, N, ...]``.
+        into: ``[V, N, ...]`` to add into, in place (contiguous), or ``None``.
 
     Returns:
-        ``[V, N, ...]``.
+        ``[V, N, ...]``, contiguous: ``into`` itself where given.
     """
     k, n = fields.shape[:2]
     flat = fields.reshape(k, n, -1)
+    v = coeffs.shape[0]
+    if into is not None and (into.shape[1] != n or not into.is_contiguous()):
+        into += mix(coeffs, fields)  # broadcast over samples, or strided
+        return into
+    out = coeffs.new_empty(v, n, flat.shape[2]) if into is None else into.view(v, n, -1)
+    beta = 0 if into is None else 1  # 0: the empty tensor's contents are ignored
     if n == 1:
-        out = (coeffs[:, 0] @ flat[:, 0]).unsqueeze(1)
-    else:  # one product per sample: [N, V, K] @ [N, K, F]
-        out = torch.matmul(coeffs.transpose(0, 1), flat.transpose(0, 1)).transpose(0, 1)
-    return out.reshape(coeffs.shape[0], n, *fields.shape[2:])
+        out[:, 0].addmm_(coeffs[:, 0], flat[:, 0], beta=beta)
+    else:  # one product per sample: [N, V, K] @ [N, K, F], into [V, N, F] transposed
+        out.transpose(0, 1).baddbmm_(
+            coeffs.transpose(0, 1), flat.transpose(0, 1), beta=beta
+        )
+    return out.view(v, n, *fields.shape[2:]) if into is None else into
 
 
 def attach(
@@ -714,13 +726,18 @@ def dense(value: Any) -> Any:
     return value.dense() if isinstance(value, Windowed) else value
 
 
-def add(old: Any, value: Any, cache: FieldCache | None = None) -> Any:
+def add(
+    old: Any, value: Any, cache: FieldCache | None = None,
+    owned: Callable[[Tensor], bool] | None = None,
+) -> Any:  # fmt: skip
     """Vectors meeting at one place, added (a block on the union of both boxes).
 
     Args:
         old: A block or tensor.
         value: A block or tensor.
         cache: Where the joined fields are kept (:func:`joined`).
+        owned: Whether a dense side (``old`` or ``value``) may be written into in
+            place; by default neither is (a block is added into a copy).
 
     Returns:
         Their sum.
@@ -744,7 +761,9 @@ def add(old: Any, value: Any, cache: FieldCache | None = None) -> Any:
         fresh = isinstance(base, Windowed)
         base = dense(base)
         if base.shape == block.shape and base.dtype == block.data.dtype:
-            if not fresh:
+            if not fresh and not (
+                owned is not None and base.is_contiguous() and owned(base)
+            ):
                 base = base.clone(memory_format=torch.contiguous_format)
             elif not base.is_contiguous():  # a stride-0 sample axis, say
                 base = base.contiguous()

@@ -71,16 +71,18 @@ class Traversal:
         waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
 
-        def push(key: EdgeKey, value: Tensor) -> None:
+        def push(key: EdgeKey, value: Tensor, fresh: bool = True) -> None:
             source = self._sources[key]
             if source.direct:
-                add(outs, key, value)
+                add(outs, key, value, fresh=fresh)  # taken from its place
                 return
-            for edge, result in glue(source, value):
-                if result is not None:
-                    add(outs, edge_key(edge), result)
+            results = glue(source, value)
+            for edge, result in results:
+                if result is not None:  # one object given to two places is not fresh
+                    once = sum(r is result for _, r in results) == 1
+                    add(outs, edge_key(edge), result, fresh=once)
 
-        push(self.output_key, seed)
+        push(self.output_key, seed, fresh=False)  # the caller's
         for call in reversed(self.calls):
             value = outs.pop(edge_key(call.out_edge), None)
             if value is None:
@@ -92,7 +94,7 @@ class Traversal:
             if back is None:
                 continue
             key = edge_key(call.source)
-            add(srcs, key, back)
+            add(srcs, key, back, fresh=True)  # a rule's result: nothing else holds it
             del back
             if self._sources[key].last_consumer == call.index:
                 pending = srcs.pop(key)

@@ -123,7 +123,7 @@ def _weight_squares(
             dilation, transposed, [0] * dims, count * g, [False, True, False],
         )[1].view(-1, n, *weight.shape)  # fmt: skip
         if fields is not None:
-            prods = prods + mix(block.coeffs[i : i + step], fields["weight"])
+            mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
         total += prods.square_().sum((0, 1))
     return total
 

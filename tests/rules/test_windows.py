@@ -921,6 +921,38 @@ def test_fields_with_different_coefficients_stay_apart():
         torch.testing.assert_close(_windows.mix(w, f), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("samples", [1, 3])
+@pytest.mark.parametrize("into", ["new", "added", "broadcast", "strided"])
+def test_mix_against_a_sum_over_fields(samples, into):
+    """``mix``: ``sum_k coeffs[v, n, k] fields[k, n]``, new or added in place.
+
+    Written straight into ``[V, N, ...]`` order by one batched product per sample;
+    the in-place form adds into the tensor it is given, and falls back to a plain
+    addition where that tensor has a broadcast sample axis or is strided.
+    """
+    torch.manual_seed(0)
+    coeffs = torch.randn(5, samples, 4, dtype=torch.float64)
+    fields = torch.randn(4, samples, 2, 3, 3, dtype=torch.float64)
+    want = torch.einsum("vnk,kn...->vn...", coeffs, fields)
+    if into == "new":
+        got = _windows.mix(coeffs, fields)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+        return
+    shape = (5, samples, 2, 3, 3)
+    if into == "broadcast":  # fields of one sample, added to every sample
+        fields, shape = fields[:, :1], (5, samples + 1, 2, 3, 3)
+        want = torch.einsum("vk,k...->v...", coeffs[:, 0], fields[:, 0]).unsqueeze(1)
+    base = torch.randn(shape, dtype=torch.float64)
+    target = base.clone()
+    if into == "strided":
+        target = base.transpose(3, 4).contiguous().transpose(3, 4)
+        assert not target.is_contiguous()
+    got = _windows.mix(coeffs, fields, into=target)
+    assert got is target
+    torch.testing.assert_close(got, base + want, rtol=1e-13, atol=1e-13)
+
+
 def test_a_complete_field_cache_leaves_the_travelling_fields_out_of_the_bound(
     monkeypatch,
 ):
