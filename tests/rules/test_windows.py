@@ -998,3 +998,47 @@ def test_a_complete_field_cache_leaves_the_travelling_fields_out_of_the_bound(
     assert report.windowed and not report.lean
     # two GroupNorms of 2 groups: 8 fields, each counted as a column while travelling
     assert gaps and all(gap == want > 0 for gap, want in gaps), gaps
+
+
+def _block_and_dense(seed: int = 0) -> tuple[_windows.Windowed, Tensor]:
+    torch.manual_seed(seed)
+    data = torch.randn(3, 2, 1, 2, 2, dtype=torch.float64)
+    start = torch.tensor([[0, 0], [1, 2], [2, 1]])
+    return _windows.Windowed(data, start, (4, 4)), torch.randn(3, 2, 1, 4, 4).double()
+
+
+@pytest.mark.parametrize(
+    "case", ["sole", "held twice", "a view shares it", "the caller's", "stored twice"]
+)
+def test_a_dense_side_is_added_into_only_where_nothing_else_holds_it(case):
+    """Vectors meeting at one place: a block added into a dense side in place.
+
+    In place only where the sweep owns the dense tensor (it was handed over fresh,
+    nothing else holds the object and no other tensor shares its memory); otherwise
+    into a copy, and what else holds it is unchanged. A wrong in-place addition would
+    change the vectors waiting at another place (the same object given to two places
+    by glue, or a view of its memory).
+    """
+    from ggnchunk._graph.parts import _Waiting
+
+    block, base = _block_and_dense()
+    want = base + block.dense()
+    keep = base.clone()
+    waiting = _Waiting()
+    other = None
+    if case == "held twice":  # glue gave the same object to two places
+        waiting.add(waiting.outs, "b", base, fresh=True)
+    if case == "a view shares it":
+        other = base.view(-1)
+    waiting.add(waiting.outs, "a", base, fresh=case != "the caller's")
+    if case == "stored twice":
+        waiting.add(waiting.srcs, "c", base, fresh=True)
+    waiting.add(waiting.outs, "a", block, fresh=True)
+    result = waiting.outs["a"]
+    torch.testing.assert_close(result, want, rtol=1e-14, atol=1e-14)
+    if case == "sole":
+        assert result is base  # added into, no copy
+    else:
+        assert result is not base
+        torch.testing.assert_close(base, keep, rtol=0, atol=0)  # untouched
+    del other
