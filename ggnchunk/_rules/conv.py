@@ -102,14 +102,13 @@ def _weight_squares(
     v, n, c = data.shape[:3]
     g, ci = module.groups, x.shape[1]
     weight = module.weight
-    # oneDNN reorders each group's weight gradient into 16-channel blocks, outside
-    # torch's allocator: with one group per column and sample that workspace (16x16
-    # per kernel offset where the groups have 1 and 8 channels) took twice the
-    # tensors' memory (RSS 21 MiB for 57 columns of the 28x28 decoder, 10 MiB counted
-    # here); a step holds BLOCK elements with it
-    rows_g, cols_g = (c // g, ci // g)
-    padded = g * math.prod(kernel) * (-(-rows_g // 16) * 16) * (-(-cols_g // 16) * 16)
-    per = n * (c * math.prod(out_box) + ci * math.prod(box) + weight.numel() + padded)
+    # oneDNN's workspace for a grouped weight gradient (outside torch's allocator)
+    # grows with the groups: measured up to twice the gradient itself (8 or more
+    # channels per group on both sides; none at 1). With one group per column and
+    # sample it took twice the tensors' memory (RSS 21 MiB for 57 columns of the
+    # 28x28 decoder) and, past the cache, 6x the time per column: a step holds
+    # BLOCK elements with it
+    per = n * (c * math.prod(out_box) + ci * math.prod(box) + 3 * weight.numel())
     step = max(1, BLOCK // max(per, 1))
     total = data.new_zeros(weight.shape)
     for i in range(0, v, step):
