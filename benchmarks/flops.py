@@ -7,6 +7,10 @@ computes all columns' weight products as one convolution with a group per column
 sample, so torch's count would be thousands of times what runs. Here each of the two
 gradients costs what the forward convolution costs (the same multiply-adds in another
 order), which holds for every ``groups``, stride, dilation and transposition.
+
+Torch also has no formula for the in-place products ``baddbmm_`` and ``addmm_`` (counted
+as zero), which the windowed path uses to add its fields' products into place; they
+cost what ``baddbmm`` and ``addmm`` cost.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ def _conv_backward(
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
+def _product(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs) -> int:
+    # (batched) matrix product: 2 * batch * m * k * n, as torch counts bmm and mm
+    *batch, m, k = a_shape
+    return 2 * math.prod(batch) * m * k * b_shape[-1]
+
+
 def flop_counter() -> FlopCounterMode:
     """A ``FlopCounterMode`` (no display) that counts grouped convolutions' backward right.
 
@@ -38,5 +48,9 @@ def flop_counter() -> FlopCounterMode:
     """
     return FlopCounterMode(
         display=False,
-        custom_mapping={torch.ops.aten.convolution_backward: _conv_backward},
+        custom_mapping={
+            torch.ops.aten.convolution_backward: _conv_backward,
+            torch.ops.aten.baddbmm_: _product,
+            torch.ops.aten.addmm_: _product,
+        },
     )

@@ -319,3 +319,20 @@ def test_flop_counter_counts_a_grouped_convolution_as_its_groups(groups, transpo
             torch.autograd.grad(ys, (xs, ws), gs)
         per_group += one.get_total_flops()
     assert grouped.get_total_flops() == per_group > 0
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_flop_counter_counts_in_place_products_as_out_of_place_ones(batched):
+    """``baddbmm_``/``addmm_`` (torch counts them as zero) cost what ``bmm``/``mm`` do."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.flops import flop_counter
+
+    a, b = torch.randn(3, 5, 4), torch.randn(3, 4, 6)
+    if not batched:
+        a, b = a[0], b[0]
+    with FlopCounterMode(display=False) as stock:
+        out = torch.matmul(a, b)
+    with flop_counter() as counted:
+        out.baddbmm_(a, b) if batched else out.addmm_(a, b)
+    assert counted.get_total_flops() == stock.get_total_flops() > 0
