@@ -459,6 +459,7 @@ def mix(coeffs: Tensor, fields: Tensor, into: Tensor | None = None) -> Tensor:
     if n == 1:
         out[:, 0].addmm_(coeffs[:, 0], flat[:, 0], beta=beta)
     else:  # one product per sample: [N, V, K] @ [N, K, F], into [V, N, F] transposed
+        coeffs = coeffs.expand(v, n, k)  # the same coefficients for every sample
         out.transpose(0, 1).baddbmm_(
             coeffs.transpose(0, 1), flat.transpose(0, 1), beta=beta
         )

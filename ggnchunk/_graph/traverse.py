@@ -77,9 +77,8 @@ class Traversal:
                 add(outs, key, value, fresh=fresh)  # taken from its place
                 return
             results = glue(source, value)
-            for edge, result in results:
-                if result is not None:  # one object given to two places is not fresh
-                    once = sum(r is result for _, r in results) == 1
+            for (edge, result), once in zip(results, _unshared(results), strict=True):
+                if result is not None:
                     add(outs, edge_key(edge), result, fresh=once)
 
         push(self.output_key, seed, fresh=False)  # the caller's
@@ -94,10 +93,36 @@ class Traversal:
             if back is None:
                 continue
             key = edge_key(call.source)
-            add(srcs, key, back, fresh=True)  # a rule's result: nothing else holds it
+            # a result of ggnchunk's own rules: nothing else holds it (a registered
+            # rule may return a tensor it keeps)
+            add(srcs, key, back, fresh=type(call.rule).__module__.startswith("ggnchunk."))
             del back
             if self._sources[key].last_consumer == call.index:
                 pending = srcs.pop(key)
                 if visit is not None:
                     visit(f"the input of {_display(call.name)}", pending)
                 push(key, pending)
+
+
+def _unshared(results: list[tuple[Any, Any]]) -> list[bool]:
+    """Per glue result: whether no other result of the region shares its memory.
+
+    Autograd hands one tensor, or views of it, to several edges (an addition's
+    backward passes the vectors on unchanged, a reshape's gives a view): such a result
+    must not be written into while another place is still to receive the memory.
+
+    Args:
+        results: ``(edge, vectors)`` pairs (vectors: a tensor, a block or ``None``).
+
+    Returns:
+        One flag per pair.
+    """
+
+    def memory(value: Any) -> int | None:
+        tensor = getattr(value, "data", value) if not isinstance(value, Tensor) else value
+        if not isinstance(tensor, Tensor):
+            return None
+        return tensor.untyped_storage().data_ptr()
+
+    places = [memory(value) for _, value in results]
+    return [p is not None and places.count(p) == 1 for p in places]

@@ -921,6 +921,15 @@ def test_fields_with_different_coefficients_stay_apart():
         torch.testing.assert_close(_windows.mix(w, f), want, rtol=1e-12, atol=1e-12)
 
 
+def test_mix_with_coefficients_shared_by_the_samples():
+    """Coefficients ``[V, 1, K]`` against fields of every sample: one per sample."""
+    torch.manual_seed(0)
+    coeffs = torch.randn(5, 1, 4, dtype=torch.float64)
+    fields = torch.randn(4, 3, 2, 3, 3, dtype=torch.float64)
+    want = torch.einsum("vk,kn...->vn...", coeffs[:, 0], fields)
+    torch.testing.assert_close(_windows.mix(coeffs, fields), want, rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize("samples", [1, 3])
 @pytest.mark.parametrize("into", ["new", "added", "broadcast", "strided"])
 def test_mix_against_a_sum_over_fields(samples, into):
@@ -1042,3 +1051,29 @@ def test_a_dense_side_is_added_into_only_where_nothing_else_holds_it(case):
         assert result is not base
         torch.testing.assert_close(base, keep, rtol=0, atol=0)  # untouched
     del other
+
+
+def test_glue_results_sharing_memory_are_not_handed_over_fresh():
+    """A glue region's results that share memory are never written into in place.
+
+    Autograd gives one tensor unchanged to several edges (an addition's backward) or a
+    view of it (a reshape's): adding a block into one of them in place would change
+    what the other edges receive (found in review: a view at the first edge, its root
+    at a later one).
+    """
+    from ggnchunk._graph.traverse import _unshared
+
+    grads = torch.randn(3, 2, 4, 4)
+    other = torch.randn(3, 2, 4, 4)
+    block, _ = _block_and_dense()
+    cases = [
+        ([("a", grads.view(3, 2, 4, 4)), ("b", grads)], [False, False]),  # view, root
+        ([("a", grads), ("b", grads)], [False, False]),  # the same object twice
+        ([("a", grads[:, :1]), ("b", grads[:, 1:])], [False, False]),  # two views
+        (
+            [("a", grads), ("b", other), ("c", block), ("d", None)],
+            [True, True, True, False],
+        ),
+    ]
+    for results, want in cases:
+        assert _unshared(results) == want
