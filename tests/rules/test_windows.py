@@ -84,6 +84,28 @@ class ResidualGroupNorm(nn.Module):
         return self.head(h)
 
 
+class SharedGlue(nn.Module):
+    """Glue handing one tensor and a view of it to several layers (found in review).
+
+    The backward of ``(b + c) + a.view_as(a)`` gives the same vectors to ``b`` and
+    ``c`` and a view of them to ``a``, where a windowed block from ``late`` waits.
+    """
+
+    def __init__(self, channels: int = 2, width: int = 3):
+        super().__init__()
+        self.a, self.b, self.c = (
+            nn.Conv2d(channels, width, 3, padding=1) for _ in range(3)
+        )
+        self.s = nn.Conv2d(width, width, 7, padding=3)  # the boxes fill the map
+        self.t = nn.Conv2d(width, channels, 7, padding=3)
+        self.late = nn.Conv2d(width, channels, 1)
+
+    def forward(self, x):
+        a, b, c = self.a(x), self.b(x), self.c(x)
+        s = (b + c) + a.view_as(a)
+        return self.t(self.s(s)) + self.late(a)
+
+
 class AttentionBottleneck(nn.Module):
     """Stride-2 conv encoder, self-attention over the positions, ConvTranspose decoder."""
 
@@ -198,6 +220,7 @@ MODELS = {
     ),
     "attention-bottleneck": lambda: AttentionBottleneck(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
+    "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
     # a norm over positions after grouped, dilated transposed convolutions: the blocks
     # reach them with fields (the windowed weight products add the fields' products)
