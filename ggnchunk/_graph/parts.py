@@ -108,6 +108,17 @@ class _Waiting:
             store[key] = add_vectors(old, value, self.images, owned)
             self._note(store[key], True)  # a new tensor, or one of the two owned
 
+    def is_fresh(self, value: Any) -> bool:
+        """Whether ``value``, stored here until now, was handed over fresh.
+
+        Args:
+            value: Vectors just taken from a place (a registered rule's result is not).
+
+        Returns:
+            Whether nothing but the sweep holds the object.
+        """
+        return isinstance(value, Tensor) and id(value) in self._fresh
+
     def _note(self, value: Any, fresh: bool) -> None:
         """Remember whether the stored ``value`` object is held by nothing else."""
         if fresh and isinstance(value, Tensor):

@@ -71,7 +71,7 @@ class Traversal:
         waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
 
-        def push(key: EdgeKey, value: Tensor, fresh: bool = True) -> None:
+        def push(key: EdgeKey, value: Tensor, fresh: bool) -> None:
             source = self._sources[key]
             if source.direct:
                 add(outs, key, value, fresh=fresh)  # taken from its place
@@ -101,7 +101,7 @@ class Traversal:
                 pending = srcs.pop(key)
                 if visit is not None:
                     visit(f"the input of {_display(call.name)}", pending)
-                push(key, pending)
+                push(key, pending, fresh=waiting.is_fresh(pending))
 
 
 def _unshared(results: list[tuple[Any, Any]]) -> list[bool]:
