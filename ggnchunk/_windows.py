@@ -669,16 +669,9 @@ def _boxes_of_one_map(
     high = [max(0, int(start[:, d].max()) + box[d] - size[d]) for d in range(dims)]
     pad = [p for d in reversed(range(dims)) for p in (low[d], high[d])]
     padded = torch.nn.functional.pad(values, pad) if any(pad) else values
-    grid = padded.shape[2:]
-    steps = [math.prod(grid[d + 1 :]) for d in range(dims)]  # row-major strides
-    shift = torch.tensor(low, device=start.device)
-    first = ((start + shift) * torch.tensor(steps, device=start.device)).sum(1)  # [V]
-    within = torch.zeros((), dtype=torch.int64, device=start.device)
-    for d in range(dims):  # offsets of the entries inside a box
-        axis = [1] * dims
-        axis[d] = box[d]
-        within = within + (torch.arange(box[d], device=start.device) * steps[d]).view(axis)
-    index = (first.view(-1, *[1] * dims) + within).reshape(-1)  # [V * prod(box)]
+    shift = torch.tensor(low, device=start.device)  # every box inside the padded map
+    index, _ = _positions(start + shift, box, tuple(padded.shape[2:]))
+    index = index.reshape(-1)  # [V * prod(box)]
     n, c = values.shape[:2]
     picked = padded.reshape(n * c, -1).index_select(1, index)
     v = start.shape[0]  # [N, C, V, Pb] to [V, N, C, Pb]: a 4-d copy (a 5-d one is slower)
