@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
-from ggnchunk._rules.geometry import as_tuple, explicit_padding, unfold, window_view
+from ggnchunk._rules.geometry import (
+    as_tuple,
+    explicit_padding,
+    patch_index,
+    unfold,
+    window_view,
+)
 from ggnchunk._rules.kernels import (
     BLOCK,
     SMALL_WEIGHT,
@@ -125,6 +131,102 @@ def _weight_squares(
             mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
         total += prods.square_().sum((0, 1))
     return total
+
+
+PATCHES: bool | None = None
+"""Weight products on boxes from the patches each box reads (``True``), as a grouped
+convolution's weight gradient (``False``), or by their sizes (``None``)."""
+
+
+def _use_patches(ctx: RuleContext, block: Windowed, grouped: int) -> bool:
+    """Whether the patches of the output boxes are the cheaper form of the products.
+
+    Both forms do the same multiply-adds. The patches repeat each input once per kernel
+    offset that reads it (``K`` times at stride 1); the grouped convolution reads each
+    column's input region once (``grouped`` elements per column and sample) but runs
+    one small group per column and sample, and oneDNN's grouped weight gradient pays
+    per group.
+    """
+    if PATCHES is not None:
+        return PATCHES
+    patches = ctx.x.shape[1] * ctx.module.weight[0, 0].numel() * math.prod(block.box)
+    # measured at 1 thread: the patches 1.4-2.8x faster up to 3.2x the grouped form's
+    # elements (the 28x28 and tutorial autoencoders), as fast at 6.3x (the U-Net's
+    # 10x10 boxes at 3x3 kernels)
+    return patches <= 4 * grouped
+
+
+def _patch_squares(
+    ctx: RuleContext, block: Windowed, fields: Any, transposed: bool,
+    padding: tuple[int, ...], x: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``sum_{v,n}`` of squared weight products from the patches of each output box.
+
+    A column's products are ``sum_o grads[o] * patch[o]`` over its output box, the patch
+    of ``o`` being the inputs each kernel offset meets there (:func:`patch_index`; zero
+    at padding and at a transposed convolution's stride gaps): one batched product per
+    step of columns, no grouped convolution and no region around the box.
+
+    Args:
+        ctx: The layer's context (zero padding).
+        block: ``[V, N, Cout, *box]`` vectors at the layer's output.
+        fields: The fields' per-sample products (``{"weight": [K, N, *weight]}``) or
+            ``None``.
+        transposed: A transposed convolution (weights ``[Cin, Cout/G, *k]``).
+        padding: Left zero padding per spatial dimension.
+        x: The input to read instead of the layer's (a map padded with values, read
+            with ``padding`` 0), or ``None``.
+
+    Returns:
+        ``weight.shape``.
+    """
+    module, x = ctx.module, ctx.x if x is None else x
+    dims = x.dim() - 2
+    kernel, stride, dilation = (
+        as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
+    )
+    data, box = block.data, block.box
+    v, n, c = data.shape[:3]
+    g, ci = module.groups, x.shape[1]
+    o, i_g, kk, pb = c // g, ci // g, math.prod(kernel), math.prod(box)
+    weight = module.weight
+    # the input as rows of positions (a last row of zeros for entries read nowhere):
+    # picking a box's patches copies whole rows
+    rows = F.pad(x.detach().reshape(n * ci, -1), (0, 1)).t().contiguous()
+    phi = None
+    if fields is not None:  # the fields' products in the order of the products below
+        if transposed:  # [*, N, G, I, O, K] to [*, N, G, O, K, I]
+            phi = fields["weight"].reshape(-1, n, g, i_g, o, kk).permute(0, 1, 2, 4, 5, 3)
+        else:  # [*, N, G, O, I, K] to [*, N, G, O, K, I]
+            phi = fields["weight"].reshape(-1, n, g, o, i_g, kk).transpose(4, 5)
+        phi = phi.reshape(-1, n, g * o * kk * i_g)
+    # a step's tensors (per column: its patches picked and reordered, its vectors, its
+    # products) and the index tables of a span of columns (int64, with two temporaries
+    # as large) share BLOCK elements
+    per = n * (2 * ci * kk * pb + c * pb + weight.numel())
+    step = max(1, (3 * BLOCK // 4) // max(per, 1))
+    span = max(step, BLOCK * data.element_size() // (4 * 24 * pb * kk))
+    total = data.new_zeros(g, o, kk * i_g)
+    for first in range(0, v, span):
+        index = patch_index(
+            block.start[first : first + span], box, kernel, stride, padding, dilation,
+            tuple(x.shape[2:]), transposed,
+        )  # fmt: skip
+        for j in range(0, index.shape[0], step):
+            part = index[j : j + step]
+            w = part.shape[0]
+            patches = rows.index_select(0, part.view(-1)).view(w, pb, kk, n, g, i_g)
+            patches = patches.permute(0, 3, 4, 1, 2, 5).reshape(w * n * g, pb, kk * i_g)
+            grads = data[first + j : first + j + w].reshape(w * n * g, o, pb)
+            prods = torch.bmm(grads, patches)  # [W * N * G, O, K * I]
+            if phi is not None:
+                coeffs = block.coeffs[first + j : first + j + w]
+                mix(coeffs, phi, into=prods.view(w, n, -1))
+            total += prods.view(w * n, g, o, kk * i_g).square_().sum(0)
+    total = total.view(g, o, kk, i_g)
+    # to the weight's layout: [G * O, I, K], or [G * I, O, K] transposed
+    order = (0, 3, 1, 2) if transposed else (0, 1, 3, 2)
+    return total.permute(order).reshape(weight.shape)
 
 
 class ConvRule(LayerRule):
@@ -267,36 +369,18 @@ class ConvRule(LayerRule):
     windowed = True
 
     def diag_windowed(self, ctx, block):
-        module = ctx.module
-        if ctx.lean and ctx.caches.patches is None and module.padding_mode != "zeros":
-            return None  # patches are made per sample there: the dense form
-        out = {}
-        data, start, box = block.data, block.start, block.box
-        v, n, c = data.shape[:3]
-        g = module.groups
-        o = c // g
-        pb = math.prod(box)
-        a = data.reshape(v, n, g, o, pb)
+        module, out = ctx.module, {}
+        v, n, c = block.data.shape[:3]
         fields = self._field_products(ctx, block)
         if trainable(module, "weight") and module.padding_mode == "zeros":
             out["weight"] = self._weight_windowed(ctx, block, fields)
-        elif trainable(module, "weight"):  # padded with values: the unfolded patches
-            patches = self._patches(ctx)  # [N, G, K, P]
-            k = patches.shape[2]
-            maps = patches.view(n, g * k, *ctx.out_shape[2:])
-            total = data.new_zeros(g, o, k)
-            step = max(1, BLOCK // max(n * g * k * (pb + o), 1))
-            for i in range(0, v, step):
-                b = gather(maps, start[i : i + step], box, block.size)
-                b = b.reshape(-1, n, g, k, pb)  # the patches at each column's box
-                prod = torch.matmul(a[i : i + step], b.transpose(-1, -2))
-                if fields is not None:
-                    phi = fields["weight"].view(-1, n, g, o, k)
-                    prod = prod + mix(block.coeffs[i : i + step], phi)
-                total += prod.square_().sum((0, 1))
-            out["weight"] = total.reshape(module.weight.shape)
+        elif trainable(module, "weight"):  # padded with values: patches of the padded map
+            dims = ctx.x.dim() - 2
+            pads = [p for pair in reversed(explicit_padding(module, dims)) for p in pair]
+            padded = F.pad(ctx.x.detach(), pads, mode=module.padding_mode)
+            out["weight"] = _patch_squares(ctx, block, fields, False, (0,) * dims, padded)
         if trainable(module, "bias"):
-            sums = a.sum(4).reshape(v, n, c)
+            sums = block.data.reshape(v, n, c, -1).sum(3)
             if fields is not None:
                 sums = sums + mix(block.coeffs, fields["bias"])
             out["bias"] = sums.square().sum((0, 1))
@@ -321,6 +405,8 @@ class ConvRule(LayerRule):
             (b - 1) * s + (k - 1) * d + 1
             for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
         )
+        if _use_patches(ctx, block, x.shape[1] * math.prod(region)):
+            return _patch_squares(ctx, block, fields, False, tuple(left))
         start = block.start * torch.tensor(stride) - torch.tensor(left)
         return _weight_squares(ctx, block, start, region, fields, transposed=False)
 
@@ -351,9 +437,12 @@ class ConvRule(LayerRule):
         patches = 2 * n * g * k * positions  # padded input and unfolded patches
         # a small weight is reordered by the transposed convolution of the backprop
         reorder = module.weight.numel() if module.weight.numel() <= SMALL_WEIGHT else 0
+        # the windowed products' steps take BLOCK, and the input as rows of positions
+        # (padded with values first where the padding is not zeros)
+        rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
-            return fixed + patches, per_column, BLOCK + reorder
+            return fixed + patches, per_column, BLOCK + reorder + rows
         # lean: nothing kept but Gram matrices; all patches at once only to build those
         # (and for per-sample products), one sample's otherwise; the input's squares for
         # the output layer's one-hot form
@@ -362,7 +451,7 @@ class ConvRule(LayerRule):
         transient = (patches if whole else 2 * g * k * positions) + reorder
         if ctx.output:
             transient += ctx.x.numel()
-        return fixed, per_column, transient
+        return fixed, per_column, max(transient, BLOCK + reorder + rows)
 
     def column_bytes(self, ctx, element):
         return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
@@ -472,15 +561,22 @@ class ConvTransposeRule(LayerRule):
         reach = torch.tensor([(k - 1) * d for k, d in zip(kernel, dilation, strict=True)])
         s, p = torch.tensor(stride), torch.tensor(padding)
         start = -torch.div(-(block.start + p - reach), s, rounding_mode="floor")
+        box, region = self._boxes(module, block.box, x.dim() - 2)
+        return start, box, block.rebox(start * s - p, region)
+
+    def _boxes(
+        self, module: nn.Module, out_box: tuple[int, ...], dims: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The input box reaching an output box, and the output region it writes."""
+        kernel, stride, _, dilation = self._geometry(module, dims)
+        reach = [(k - 1) * d for k, d in zip(kernel, dilation, strict=True)]
         box = tuple(
-            (b - 1 + r) // st + 1
-            for b, r, st in zip(block.box, reach.tolist(), stride, strict=True)
+            (b - 1 + r) // st + 1 for b, r, st in zip(out_box, reach, stride, strict=True)
         )
         region = tuple(
-            (b - 1) * st + r + 1
-            for b, r, st in zip(box, reach.tolist(), stride, strict=True)
+            (b - 1) * st + r + 1 for b, r, st in zip(box, reach, stride, strict=True)
         )
-        return start, box, block.rebox(start * s - p, region)
+        return box, region
 
     def diag_windowed(self, ctx, block):
         module, out = ctx.module, {}
@@ -505,6 +601,11 @@ class ConvTransposeRule(LayerRule):
         per block of columns, where a loop over the kernel's offsets ran one small
         batched product each (1.6x slower on the 28x28 decoder's 16->8 layer).
         """
+        module, dims = ctx.module, ctx.x.dim() - 2
+        box, region = self._boxes(module, block.box, dims)
+        grouped = ctx.x.shape[1] * math.prod(box) + module.out_channels * math.prod(region)
+        if _use_patches(ctx, block, grouped):
+            return _patch_squares(ctx, block, fields, True, as_tuple(module.padding, dims))
         start, box, region = self._region(ctx, block)
         return _weight_squares(ctx, region, start, box, fields, transposed=True)
 
@@ -554,4 +655,6 @@ class ConvTransposeRule(LayerRule):
         return square_sum_bytes(n, g, o, k, p, ctx.columns)[0] * element  # Gram matrix
 
     def transient_bytes(self, ctx, element):
-        return BLOCK * element  # samples batched in the direct form
+        # samples batched in the direct form; the windowed products' steps, and the
+        # input as rows of positions
+        return (BLOCK + ctx.x.numel()) * element

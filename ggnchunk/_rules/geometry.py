@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["as_tuple", "explicit_padding", "unfold", "window_view"]
+__all__ = ["as_tuple", "explicit_padding", "patch_index", "unfold", "window_view"]
 
 
 def as_tuple(value: int | tuple[int, ...], dims: int) -> tuple[int, ...]:
@@ -60,3 +61,52 @@ def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Ten
     """
     view = window_view(x, kernel, stride, padding, dilation)
     return view.reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)
+
+
+def patch_index(
+    start: Tensor, box: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...],
+    padding: tuple[int, ...], dilation: tuple[int, ...], size: tuple[int, ...],
+    transposed: bool,
+) -> Tensor:  # fmt: skip
+    """The input each kernel offset meets at each output position of each column's box.
+
+    A convolution's output ``o`` reads input ``o*s - p + k*d`` at kernel offset ``k``; a
+    transposed convolution's output ``o`` is written by input ``i`` with
+    ``i*s - p + k*d = o``, where that ``i`` is whole and in the map.
+
+    Args:
+        start: ``[V, d]`` (int64) box starts in the output map.
+        box: The output box size.
+        kernel: Kernel size per spatial dimension.
+        stride: Stride per spatial dimension.
+        padding: Left zero padding per spatial dimension.
+        dilation: Dilation per spatial dimension.
+        size: The input map's spatial size.
+        transposed: A transposed convolution.
+
+    Returns:
+        ``[V, prod(box) * prod(kernel)]`` (int64, box positions major): the flat index of
+        the input in the map, or ``prod(size)`` where no input is read (padding, the
+        stride's gaps, outside the map).
+    """
+    v, dims = start.shape[0], len(box)
+    device = start.device
+    index = torch.zeros((v, *box, *kernel), dtype=torch.int64, device=device)
+    inside = torch.ones((v, *box, *kernel), dtype=torch.bool, device=device)
+    step = 1
+    for d in reversed(range(dims)):
+        out = start[:, d, None, None] + torch.arange(box[d], device=device).view(1, -1, 1)
+        offset = torch.arange(kernel[d], device=device).view(1, 1, -1) * dilation[d]
+        if transposed:
+            reach = out + padding[d] - offset
+            i = torch.div(reach, stride[d], rounding_mode="floor")
+            ok = (i * stride[d] == reach) & (i >= 0) & (i < size[d])
+        else:
+            i = out * stride[d] - padding[d] + offset
+            ok = (i >= 0) & (i < size[d])
+        shape = [v] + [1] * (2 * dims)
+        shape[1 + d], shape[1 + dims + d] = box[d], kernel[d]
+        index = index + (i.clamp(0, size[d] - 1) * step).view(shape)
+        inside = inside & ok.view(shape)
+        step *= size[d]
+    return torch.where(inside, index, step).view(v, -1)

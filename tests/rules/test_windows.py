@@ -23,6 +23,8 @@ from torch import Tensor, nn
 import ggnchunk
 from ggnchunk import _engine, _windows
 from ggnchunk._quantities import DiagonalGGN
+from ggnchunk._rules import conv
+from ggnchunk._rules.geometry import patch_index
 from tests.lean import force_lean
 from tests.models import UNet
 from tests.reference import assert_diag_close, recorded_draws, reference_diag_ggn
@@ -339,6 +341,71 @@ def test_windowed_matches_brute_force(name, loss, chunking, windows_everywhere):
     else:
         expected = _expected(name, loss)
     assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {loss} {kwargs}")
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+
+
+@pytest.mark.parametrize(
+    ("transposed", "kernel", "stride", "padding", "dilation"),
+    [
+        (False, (3, 3), (1, 1), (1, 1), (1, 1)),
+        (False, (3, 2), (2, 3), (1, 0), (1, 2)),
+        (True, (3, 3), (2, 2), (1, 1), (1, 1)),
+        (True, (4, 3), (3, 2), (2, 0), (2, 1)),
+    ],
+)
+def test_patch_index_gives_the_convolution(transposed, kernel, stride, padding, dilation):
+    """Patches of boxes (also outside the map) times the weight are the layer's output."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    if transposed:
+        weight = torch.randn(3, 2, *kernel, dtype=torch.float64)
+        out = F.conv_transpose2d(x, weight, None, stride, padding, 0, 1, dilation)
+        w = weight.permute(1, 0, 2, 3).reshape(2, -1)  # [O, I * K]
+    else:
+        weight = torch.randn(2, 3, *kernel, dtype=torch.float64)
+        out = F.conv2d(x, weight, None, stride, padding, dilation)
+        w = weight.reshape(2, -1)
+    size = tuple(out.shape[2:])
+    box = (3, 2)
+    start = torch.tensor([[-1, -1], [0, 0], [size[0] - 2, size[1] - 1], [1, 3]])
+    index = patch_index(start, box, kernel, stride, padding, dilation, (5, 6), transposed)
+    rows = F.pad(x.reshape(6, -1), (0, 1))  # a zero for entries read nowhere
+    patches = rows[:, index].view(2, 3, 4, 6, -1).permute(2, 0, 3, 1, 4)  # [V, N, P, I, K]
+    actual = torch.einsum("vnpik,oik->vnop", patches, w.view(2, 3, -1))
+    checked = 0
+    for v, (i, j) in enumerate(start.tolist()):
+        got = actual[v].view(2, 2, *box)
+        for a in range(box[0]):
+            for b in range(box[1]):
+                if 0 <= i + a < size[0] and 0 <= j + b < size[1]:  # inside the map
+                    expected = out[:, :, i + a, j + b]
+                    torch.testing.assert_close(
+                        got[:, :, a, b], expected, rtol=1e-12, atol=0
+                    )
+                    checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize("patches", [True, False], ids=["patches", "grouped"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_both_forms_of_windowed_weight_products(
+    name, patches, windows_everywhere, monkeypatch
+):
+    """Each form of a convolution's weight products on boxes, whichever the sizes pick.
+
+    The patches of each output box (:func:`patch_index`) or a grouped convolution's
+    weight gradient on the input region; the table above runs the form the sizes pick.
+    """
+    monkeypatch.setattr(conv, "PATCHES", patches)
+    model, loss_func, x, targets = _problem(name, "mse")
+    actual = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, chunk_size=max(1, _columns(name) // 7)
+    )
+    if name == "conv-vae-linear-bottleneck":
+        expected = reference_diag_ggn(model, loss_func, x, targets, recorded_draws(model))
+    else:
+        expected = _expected(name, "mse")
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} patches={patches}")
     assert any(windows_everywhere), "no pass carried its columns on boxes"
 
 
