@@ -365,9 +365,9 @@ def _set_up_outside(
     return max(0, after - before) if rise else after
 
 
-def _plan_for_budget(
+def _bounds_for_budget(
     run: GGNComputation, budget: int, level: int, total: int, device: torch.device
-) -> bool:
+) -> tuple[bool, float]:
     """Make the run's memory bounds for a budget; return whether it runs lean.
 
     Two choices, both by the passes budget mode would plan (:func:`passes_within`):
@@ -393,7 +393,8 @@ def _plan_for_budget(
         device: Where the work runs.
 
     Returns:
-        Whether the run is lean (its bounds are set for the plan either way).
+        Whether the run is lean (its bounds are set for the plan either way), and the
+        passes planned.
     """
 
     def passes(cost: tuple[int, int]) -> float:
@@ -418,14 +419,57 @@ def _plan_for_budget(
     if 2 * passes(lean) <= passes(full) or (
         target < level + sum(full) and sum(lean) < sum(full)
     ):
-        return True
+        return True, passes(lean)
     run.set_lean(False)
     run.assume_fields_kept = True
     room = target - level - run.fixed_bytes()
     run.assume_fields_kept = False  # the first pass: the fields travel
     run.limit_field_images(int(max(0, min(room // 4, room - run.column_bytes()))))
-    run.fixed_bytes()  # the bounds for the plan, fields travelling
-    return False
+    first = (run.fixed_bytes(), run.column_bytes())  # the bounds for the plan, fields
+    # travelling (the first pass; where not even that fits, no plan does)
+    return False, passes(full) if passes(first) < inf else inf
+
+
+def _plan_for_budget(
+    run: GGNComputation, budget: int, level: int, total: int, device: torch.device
+) -> bool:
+    """Make the run's memory bounds for a budget; return whether it runs lean.
+
+    Windowed passes carry the fields of normalizations over positions (GroupNorm's:
+    dense maps per sample that travel like extra columns, and their images kept for the
+    later passes); dense passes carry none. Where the fields leave a windowed pass so
+    little room that it plans more than twice the dense passes (or none fit), every
+    pass runs dense: a windowed pass is at most a few times cheaper per column, and a
+    budget that dense passes meet is never refused for the windows' sake.
+
+    Args:
+        run: The computation, after its forward pass.
+        budget: The budget in bytes.
+        level: Bytes in use above the call's baseline (settled).
+        total: Columns to compute.
+        device: Where the work runs.
+
+    Returns:
+        Whether the run is lean (its bounds are set for the plan either way).
+    """
+    if not run.may_window:
+        return _bounds_for_budget(run, budget, level, total, device)[0]
+    run.plan_dense(True)
+    _, dense = _bounds_for_budget(run, budget, level, total, device)
+    run.plan_dense(False)
+    lean, windowed = _bounds_for_budget(run, budget, level, total, device)
+    if windowed < inf and windowed <= 2 * dense:
+        # dense parts of the chunks (the trial's, or every pass's after it) hold what
+        # the budget fits of dense columns, beside what the windowed plan keeps
+        run.limit_dense_parts(int(planning_share(device) * budget) - level)
+        return lean
+    passes = "no pass" if windowed == inf else f"{windowed:.0f} passes"
+    run.plan_dense(
+        True,
+        f"windowed passes carry fields (dense maps per sample) that leave room for "
+        f"{passes} within max_memory, dense passes {dense:.0f}: every pass runs dense",
+    )
+    return _bounds_for_budget(run, budget, level, total, device)[0]
 
 
 def _progress_bar(show: bool) -> Any:

@@ -459,6 +459,7 @@ class GGNComputation:
         element = self._output.element_size()
         sqrt = self._require_sqrt()
         dense = self._recording.column_bytes(element) + sqrt.column_bytes()
+        self._dense_share = 1.0
         if (
             self._windowed(sqrt) and self._windows.choice is not False
             and not self._recording.geometric_windows
@@ -508,7 +509,7 @@ class GGNComputation:
         # the quantity's accumulators are allocated before the first sweep (measured
         # with the forward pass) and the sweeps add to them in place
         fixed = self.quantity.fixed_bytes(self._recording, element)
-        if self._windowed(self._require_sqrt()):
+        if self._windowed(self._require_sqrt()) and self._windows.choice is not False:
             # a windowed pass carries fields (GroupNorm's), dense maps per sample that
             # travel like extra columns; their images are kept for the later passes
             # (what the cache may still add: it never holds more than it is given)
@@ -525,6 +526,46 @@ class GGNComputation:
                 recording.images.plan(recording.field_image_bytes(element))
                 fixed += recording.images.unbuilt_bytes()
         return fixed
+
+    @property
+    def may_window(self) -> bool:
+        """Whether passes may still carry windows (before the budget's plan)."""
+        return self._windowed(self._require_sqrt()) and self._windows.choice is not False
+
+    def plan_dense(self, dense: bool, reason: str | None = None) -> None:
+        """Plan dense passes only (``dense``), or undo that; call before any pass.
+
+        Dense passes carry no fields, so their bounds leave out the fields' memory.
+
+        Args:
+            dense: Dense passes only; ``False`` restores the choice as it was.
+            reason: Why (the report's ``window_ends``).
+        """
+        if dense and not self._planned_dense:
+            self._planned_choice = self._windows.choice
+        if dense:
+            self._windows.choice, self._dense_reason = False, reason
+        elif self._planned_dense:
+            self._windows.choice, self._dense_reason = self._planned_choice, None
+        self._planned_dense = dense
+
+    def limit_dense_parts(self, room: int) -> None:
+        """Dense parts of chunks planned for windows hold what ``room`` bytes fit.
+
+        Call after the plan's bounds are made (they count the fields' memory, which
+        stays held during dense parts).
+
+        Args:
+            room: Bytes a pass may take above the memory in use.
+        """
+        element = self._output.element_size()
+        dense = self._recording.column_bytes(element) + self._require_sqrt().column_bytes()
+        self._dense_limit = max(1, int((room - self.fixed_bytes()) // max(dense, 1)))
+
+    _dense_limit: int | None = None
+    _planned_dense = False
+    _planned_choice: bool | None = None
+    _dense_reason: str | None = None
 
     def limit_field_images(self, limit: int | None) -> None:
         """The most bytes the windowed fields' kept images may take (before any pass).
@@ -577,7 +618,7 @@ class GGNComputation:
         else:  # the trial: each path timed at the size of part it will run
             # (time per column depends on the size: a small part's vectors stay in
             # cache and reuse the heap's pages, a large one's pay fresh pages)
-            run = max(1, int((stop - start) * self._dense_share))  # dense passes' parts
+            run = self._dense_part(stop - start)  # dense passes' parts
             # the trial's dense part: half the chunk at most (a tenth timed dense parts
             # of 21 columns where dense passes ran 89, and kept dense on the kernel-4
             # 28x28 autoencoder at 64 MiB: 0.99x of dense where windows are 2.8x)
@@ -596,12 +637,17 @@ class GGNComputation:
 
     def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""
-        part = max(1, int((stop - start) * self._dense_share))
+        part = self._dense_part(stop - start)
         if part >= stop - start:
             self._backward(sqrt, start, stop, False)
             return
         for a in range(start, stop, part):
             self._part(sqrt, a, min(stop, a + part), False)
+
+    def _dense_part(self, columns: int) -> int:
+        """Columns of a dense part of a chunk of ``columns``."""
+        part = max(1, int(columns * self._dense_share))
+        return part if self._dense_limit is None else min(part, self._dense_limit)
 
     def _timed(self, fn, *args) -> float:
         clock = time.perf_counter()
@@ -655,7 +701,9 @@ class GGNComputation:
     def window_ends(self) -> dict[str, str]:
         """Where windowed columns became dense vectors, and why (for the report)."""
         ends = dict(self._recording.window_ends) if self._recording is not None else {}
-        if self._windows.choice is False:
+        if self._dense_reason is not None:
+            ends["every pass"] = self._dense_reason
+        elif self._windows.choice is False:
             ends["every later pass"] = (
                 "the dense path was measured faster on this model's first passes"
             )

@@ -429,6 +429,8 @@ class _FakeRun:
     chunks of that many columns or more.
     """
 
+    may_window = False  # no windowed passes (see _FakeWindowedRun)
+
     def __init__(self, full, lean, gram_from=None):
         self.costs, self.lean = {False: full, True: lean}, False
         self.gram_from, self.columns = gram_from, None
@@ -496,6 +498,94 @@ def test_tight_budgets_plan_the_contraction_forms_for_their_chunk_size(
     assert not lean
     assert run.columns == planned  # the bounds were made for that chunk size
     assert run.fixed_bytes() == MiB + (30 * MiB if planned >= 100 else 0)
+
+
+class _FakeWindowedRun(_FakeRun):
+    """A run whose windowed passes carry fields: ``fields`` bytes while they travel.
+
+    Windowed columns cost ``windowed`` bytes each, dense ones ``dense``; the fields
+    travel unless the plan assumes their images kept (lean: always), and dense passes
+    carry none.
+    """
+
+    def __init__(self, fields, windowed=MiB // 4, dense=MiB):
+        super().__init__((MiB, dense), (MiB, dense))
+        self.fields, self.windowed, self.dense = fields, windowed, dense
+        self.assume_fields_kept, self.dense_only, self.reason = False, False, None
+        self.dense_limit = None
+
+    @property
+    def may_window(self):
+        return True
+
+    def plan_dense(self, dense, reason=None):
+        self.dense_only, self.reason = dense, reason if dense else None
+
+    def limit_dense_parts(self, room):
+        self.dense_limit = (room - self.fixed_bytes()) // self.dense
+
+    def fixed_bytes(self, columns=None):
+        travel = not (self.dense_only or self.assume_fields_kept)
+        return MiB + (self.fields if travel else 0)
+
+    def column_bytes(self):
+        return self.dense if self.dense_only else self.windowed
+
+
+@pytest.mark.parametrize(
+    ("fields", "dense_only", "says"),
+    [(0, False, None),  # windowed passes plan 4x fewer passes: kept
+     (60 * MiB, False, None),  # the fields leave room: windowed, the trial decides
+     # the first pass (its fields travelling) fits the budget, though not the
+     # planning target; the later ones keep the fields' images: windowed
+     (80 * MiB, False, None),
+     (100 * MiB, True, "no pass")],  # no windowed pass fits (dense passes do): dense
+)  # fmt: skip
+def test_windowed_plans_give_way_to_dense_ones_where_fields_fill_the_budget(
+    monkeypatch, fields, dense_only, says
+):
+    from ggnchunk._api import _plan_for_budget
+
+    monkeypatch.setattr(HostMemory, "planning_share", 0.7)
+    run = _FakeWindowedRun(fields)
+    _plan_for_budget(run, 100 * MiB, 0, 1000, torch.device("cpu"))
+    assert run.dense_only is dense_only
+    if dense_only:
+        assert "every pass runs dense" in run.reason and says in run.reason
+        assert (run.fixed_bytes(), run.column_bytes()) == (MiB, MiB)
+    else:  # dense parts of windowed chunks: what the budget fits beside the fields
+        assert run.reason is None
+        assert run.dense_limit == (70 * MiB - MiB - fields) // MiB
+
+
+def test_a_tight_budget_on_a_groupnorm_model_runs_dense_passes_exactly(monkeypatch):
+    """The fields of windowed passes need more than 16 MiB here; dense passes fit.
+
+    Before, the call was refused (a chunk of one column "needs up to 24.0 MiB"), and
+    at budgets the windowed bound met ran one column per pass, 5x slower than dense.
+    """
+    from ggnchunk import _windows
+    from tests.reference import assert_diag_close, reference_diag_ggn
+
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(),
+        nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+        nn.Conv2d(16, 3, 3, padding=1),
+    ).double()  # fmt: skip
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    y = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    diag, report = ggnchunk.diag_ggn(
+        model, nn.MSELoss(), x, y, max_memory="16MiB", return_report=True
+    )
+    assert not report.windowed and "every pass" in report.window_ends
+    assert report.num_passes < 200  # dense chunks, not one column per pass
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    assert_diag_close(diag, expected, rtol=1e-9, label="groupnorm at 16 MiB")
+    ggnchunk.clear_autotune_cache()
 
 
 def _warner(module_name: str, path: str):
