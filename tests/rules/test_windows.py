@@ -386,6 +386,23 @@ def test_patch_index_gives_the_convolution(transposed, kernel, stride, padding, 
     assert checked >= 8
 
 
+@pytest.mark.parametrize(
+    ("dims", "box", "stride", "dilation", "groups"),
+    [(2, (2, 2), (2, 2), (1, 1), 1), (2, (1, 2), (2, 3), (2, 1), 2),
+     (1, (2,), (3,), (1,), 1), (3, (2, 1, 2), (2, 2, 1), (1, 2, 1), 2),
+     (2, (4, 3), (1, 2), (1, 1), 1)],
+)  # fmt: skip
+def test_transposed_convolution_by_products(dims, box, stride, dilation, groups):
+    """The products-and-shifted-sums form equals torch's transposed convolution."""
+    torch.manual_seed(0)
+    data = torch.randn(7, 4, *box, dtype=torch.float64)
+    weight = torch.randn(4, 6 // groups, *(3,) * dims, dtype=torch.float64)
+    transposed = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    expected = transposed(data, weight, None, stride, 0, 0, groups, dilation)
+    actual = conv._transposed_by_products(data, weight, stride, dilation, groups)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("patches", [True, False], ids=["patches", "grouped"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_both_forms_of_windowed_weight_products(
