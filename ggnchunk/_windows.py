@@ -710,7 +710,7 @@ def window(values: Tensor) -> Windowed | Tensor:
         last = torch.where(empty, 0, last)
         length = int((last - first + 1).max()) if v else 1
         # shift boxes inward so that they stay inside the map
-        starts.append(torch.minimum(first, torch.tensor(size[d] - length)))
+        starts.append(first.clamp(max=size[d] - length))
         box.append(length)
     if math.prod(box) > MAX_FILL * math.prod(size):
         return values

@@ -56,6 +56,11 @@ def _weight_gradient_of_squares(
     return out
 
 
+def _on(block: Windowed, values: Any) -> Tensor:
+    """Per-axis integers as a tensor on the device of the block's box starts."""
+    return torch.tensor(values, dtype=torch.int64, device=block.start.device)
+
+
 def _transposed_by_products(
     data: Tensor, weight: Tensor, stride: tuple[int, ...], dilation: tuple[int, ...],
     groups: int,
@@ -455,7 +460,7 @@ class ConvRule(LayerRule):
         )
         if _use_patches(ctx, block, x.shape[1] * math.prod(region)):
             return _patch_squares(ctx, block, fields, False, tuple(left))
-        start = block.start * torch.tensor(stride) - torch.tensor(left)
+        start = block.start * _on(block, stride) - _on(block, left)
         return _weight_squares(ctx, block, start, region, fields, transposed=False)
 
     def backprop_windowed(self, ctx, block):
@@ -472,7 +477,7 @@ class ConvRule(LayerRule):
             (b - 1) * s + (k - 1) * d + 1
             for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
         )
-        start = block.start * torch.tensor(stride) - torch.tensor(left)
+        start = block.start * _on(block, stride) - _on(block, left)
         return end_of(_transposed_box(block, module, box, start, stride, dilation, x))
 
     @staticmethod
@@ -606,8 +611,8 @@ class ConvTransposeRule(LayerRule):
         """
         module, x = ctx.module, ctx.x
         kernel, stride, padding, dilation = self._geometry(module, x.dim() - 2)
-        reach = torch.tensor([(k - 1) * d for k, d in zip(kernel, dilation, strict=True)])
-        s, p = torch.tensor(stride), torch.tensor(padding)
+        reach = _on(block, [(k - 1) * d for k, d in zip(kernel, dilation, strict=True)])
+        s, p = _on(block, stride), _on(block, padding)
         start = -torch.div(-(block.start + p - reach), s, rounding_mode="floor")
         box, region = self._boxes(module, block.box, x.dim() - 2)
         return start, box, block.rebox(start * s - p, region)

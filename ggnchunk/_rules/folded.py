@@ -87,7 +87,7 @@ def _nearest_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     factor = tuple(o // i for o, i in zip(out, size, strict=True))
     if any(s is not None and s != f for s, f in zip(scales, factor, strict=True)):
         return None  # torch maps with the given scale then, not the ratio
-    f = torch.tensor(factor)
+    f = torch.tensor(factor, device=block.start.device)
     start = torch.div(block.start, f, rounding_mode="floor")
     box = tuple((s + b - 2) // s + 1 for s, b in zip(factor, block.box, strict=True))
     region = block.rebox(start * f, tuple(b * s for b, s in zip(box, factor, strict=True)))
@@ -107,7 +107,7 @@ def _avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any
     kh, kw = kernel
     spread = data[:, :, :, :, None, :, None].expand(v, n, c, h, kh, w, kw)
     spread = spread.reshape(v, n, c, h * kh, w * kw) / (kh * kw)
-    start = block.start * torch.tensor(kernel)
+    start = block.start * torch.tensor(kernel, device=block.start.device)
     box = (h * kh, w * kw)
     spread = spread * valid(start, box, size).to(spread.dtype)
     return end_of(Windowed(spread, start, size))

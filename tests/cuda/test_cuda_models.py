@@ -225,3 +225,38 @@ def test_distributed_and_the_dataset_loop_on_a_one_rank_nccl_group():
         assert_diag_close(actual, expected, rtol=1e-9, label="dataset loop, CPU batches")
     finally:
         dist.destroy_process_group()
+
+
+WINDOWED = [
+    "tutorial-ae", "outpad-ae", "dilation-groups-same", "convT-dilation-stride3",
+    "reflect", "conv1d", "conv3d", "skips-groupnorm-avg-nearest",
+    "skips-maxpool-bilinear", "layernorm-instancenorm", "attention-bottleneck",
+    "groupnorm-after-convT",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("patches", [True, False], ids=["patches", "grouped"])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_columns_on_cuda(name, patches, monkeypatch):
+    """The windows table's models with every column on its box, on the GPU.
+
+    Box starts live on the device of the vectors: index arithmetic with per-axis
+    tensors made on the CPU fails there (the CPU suite cannot see it).
+    """
+    from ggnchunk import _windows
+    from ggnchunk._rules import conv
+    from tests.rules import test_windows as table
+
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    monkeypatch.setattr(conv, "PATCHES", patches)
+    model, loss_func, x, targets = table._problem(name, "mse")
+    expected = table._expected(name, "mse")
+    diag, report = ggnchunk.diag_ggn(
+        model.to(CUDA), loss_func, x.to(CUDA), targets.to(CUDA), num_chunks=3,
+        return_report=True,
+    )  # fmt: skip
+    assert report.windowed
+    actual = {k: v.cpu() for k, v in diag.items()}
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} on CUDA")
