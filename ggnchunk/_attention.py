@@ -4,8 +4,9 @@ The glue between layers is backpropagated by autograd, batched over the chunk's 
 (``torch.autograd.grad(..., is_grads_batched=True)``). torch's batching has no rule for
 the backward kernels of ``F.scaled_dot_product_attention`` (flash, efficient or the CPU
 flash kernel), so it would run them once per column. While the engine's forward pass
-runs, :func:`folded_attention` routes every call of ``F.scaled_dot_product_attention``
-(also the one inside ``nn.MultiheadAttention``) through :class:`_FoldedAttention`: its
+runs, :func:`ggnchunk._folding.folded_glue` routes every call of
+``F.scaled_dot_product_attention`` (also the one inside ``nn.MultiheadAttention``)
+through :class:`_FoldedAttention`: its
 forward is the user's call itself (same kernel, same arguments), its backward the exact
 math form of the attention's transposed Jacobian,
 
@@ -28,21 +29,17 @@ are thread-local), and only while that forward runs.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["attention_workspace", "folded_attention"]
+__all__ = ["SDPA", "attention_workspace", "fold_attention", "unchecked"]
 
-_SDPA = torch._C._nn.scaled_dot_product_attention
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+SDPA = torch._C._nn.scaled_dot_product_attention
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")  # fmt: skip
 
 
@@ -51,7 +48,7 @@ class _FoldedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale):
-        out = _SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+        out = SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
         ctx.save_for_backward(q, k, v, mask)
         ctx.is_causal = is_causal
         ctx.scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -139,15 +136,15 @@ def attention_workspace(node: Any) -> int:
 
 
 def _arguments(args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    bound = dict(zip(_SDPA_ARGS, args, strict=False))
+    bound = dict(zip(SDPA_ARGS, args, strict=False))
     for key, value in kwargs.items():
-        if key not in _SDPA_ARGS or key in bound:
+        if key not in SDPA_ARGS or key in bound:
             return None
         bound[key] = value
     return bound
 
 
-def _fold(args: tuple, kwargs: dict) -> Tensor | None:
+def fold_attention(args: tuple, kwargs: dict) -> Tensor | None:
     """The folded call, or ``None`` where it would not be the same computation."""
     bound = _arguments(args, kwargs)
     if bound is None or not torch.is_grad_enabled():
@@ -178,7 +175,7 @@ def _fold(args: tuple, kwargs: dict) -> Tensor | None:
     return _FoldedAttention.apply(q, k, v, mask, causal, scale)
 
 
-def _unchecked(function: types.FunctionType) -> types.FunctionType | None:
+def unchecked(function: types.FunctionType) -> types.FunctionType | None:
     """``function``'s own code, without its entry ``has_torch_function`` dispatch.
 
     ``F.multi_head_attention_forward`` hands itself to an active torch function mode
@@ -194,29 +191,3 @@ def _unchecked(function: types.FunctionType) -> types.FunctionType | None:
     )
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
-
-
-class _Folding(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA:
-            folded = _fold(args, kwargs)
-            if folded is not None:
-                return folded
-        elif func is F.multi_head_attention_forward:
-            inner = _unchecked(func)
-            if inner is not None:
-                with self:
-                    return inner(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def folded_attention() -> Iterator[None]:
-    """Route this thread's attention calls through the folded backward (for one forward).
-
-    Yields:
-        Nothing.
-    """
-    with _Folding():
-        yield

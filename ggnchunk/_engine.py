@@ -31,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _windows as windows
-from ggnchunk._attention import folded_attention
 from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
+from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording
 from ggnchunk._memory import synchronize
 from ggnchunk._quantities import Gradient, Quantity, Sampling
@@ -379,7 +379,7 @@ class GGNComputation:
                 changed in place, or samples influence each other.
         """
         problem = self._problem
-        with torch.enable_grad(), folded_attention():  # attention crossed batched
+        with torch.enable_grad(), folded_glue():  # attention, resizes crossed batched
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._attention import attention_workspace
 from ggnchunk._autograd import (
     EdgeKey,
     Gather,
@@ -23,6 +22,7 @@ from ggnchunk._autograd import (
     edge_of,
     gather_of,
 )
+from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
 from ggnchunk._graph.parts import Call, _display, _Source
@@ -95,6 +95,7 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self._thread:
             return None  # another thread's forward: neither recorded nor popped
+        layer_entered()  # its inner calls are the rule's, not glue to fold
         stack = self._pending.setdefault(id(module), [])
         if not torch.is_grad_enabled():
             stack.append(None)
@@ -121,6 +122,7 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         if threading.get_ident() != self._thread:
             return
+        layer_left()
         stack = self._pending.get(id(module))
         entry = stack.pop() if stack else None
         if entry is None:
@@ -252,7 +254,7 @@ class Recording(Sweeps, MemoryBound, Checks):
             if current is None or id(current) in seen:
                 continue
             seen.add(id(current))
-            source.workspace += attention_workspace(current)
+            source.workspace += glue_workspace(current)
             variable = accumulated_variable(current)
             if variable is not None:
                 if id(variable) in self._param_index:

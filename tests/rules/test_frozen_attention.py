@@ -284,6 +284,7 @@ def _slow_warnings(case: Case, **options) -> list[str]:
 @pytest.mark.parametrize(
     "case",
     ["resnet18-frozen-backbone", "frozen-norms-conv", "tiny-gpt", "tiny-gpt-frozen-blocks",
+     "lraspp-partly-frozen",
      "encoder-batch-first-frozen-attention"],
 )  # fmt: skip
 def test_no_per_column_loop(case):
