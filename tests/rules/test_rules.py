@@ -36,6 +36,21 @@ LAYERS = {
                         (2, 4, 4)),
     "conv2d-depthwise": (lambda: nn.Conv2d(3, 3, 3, groups=3), (3, 5, 5)),
     "conv3d": (lambda: nn.Conv3d(2, 2, 2, stride=(1, 2, 1)), (2, 3, 4, 3)),
+    # grouped at stride 1: backpropagated by a convolution with the flipped kernel
+    "conv1d-groups-dilated-padded": (
+        lambda: nn.Conv1d(4, 6, 3, padding=3, dilation=2, groups=2), (4, 7)
+    ),
+    "conv2d-depthwise-dilated-5x5": (
+        lambda: nn.Conv2d(3, 3, 5, padding=4, dilation=2, groups=3), (3, 6, 5)
+    ),
+    "conv2d-depthwise-multiplier": (
+        lambda: nn.Conv2d(2, 6, (3, 2), padding=(1, 0), groups=2), (2, 5, 4)
+    ),
+    "conv2d-groups-padding-past-the-kernel": (
+        lambda: nn.Conv2d(4, 4, 3, padding=3, groups=2), (4, 3, 3)
+    ),
+    "conv3d-groups": (lambda: nn.Conv3d(4, 2, (3, 2, 3), padding=(1, 0, 1), groups=2),
+                      (4, 3, 3, 4)),
     "convT1d-output-padding": (
         lambda: nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 4)
     ),
