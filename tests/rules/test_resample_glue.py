@@ -275,3 +275,48 @@ def test_resample_workspace_is_in_the_bound(monkeypatch):
     plain = per_column()
     # the matrix [4, 32] expanded over the N * C slices, the first step's [N, C, 4, 32]
     assert folded - plain >= (2 * 2 * 4 * 32 + 2 * 2 * 4 * 32) * 8
+
+
+class _Out(nn.Module):
+    """A torchvision segmentation model's ``["out"]``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
+@pytest.mark.parametrize("chunking", ["onepass", "chunks5", "budget"])
+def test_torchvision_deeplabv3(chunking):
+    """DeepLabV3 resizes with ``F.interpolate`` twice, both crossed by all columns.
+
+    Its ASPP pooling branch resizes 1x1 features to the map, its head the logits to
+    the input (bilinear).
+    """
+    import torchvision
+
+    from tests.real_models import _randomize_norms
+
+    torch.manual_seed(0)
+    net = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, aux_loss=False
+    )
+    model = _Out(_randomize_norms(net).double().eval())
+    for name, param in model.named_parameters():  # the pooling branch's norm, the head
+        param.requires_grad_(name.startswith(("model.classifier.0.convs.4.2.",
+                                              "model.classifier.4.")))  # fmt: skip
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 16, 16))
+    loss_func = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, loss_func, x, y, **CHUNKINGS[chunking])
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert set(got) == {"model.classifier.0.convs.4.2.weight",
+                        "model.classifier.0.convs.4.2.bias",
+                        "model.classifier.4.weight", "model.classifier.4.bias"}  # fmt: skip
+    assert_diag_close(got, expected, rtol=1e-9, label=f"deeplabv3 {chunking}")
