@@ -268,8 +268,14 @@ class Sweeps(Traversal):
         return self.windowed_sweeps > 0 and not self._by_values
 
     def _window_ended(self, where: Call | _Source, results: list[Any]) -> None:
-        """Remember where a block became dense vectors (for the report)."""
-        if any(r is not None and not isinstance(r, Windowed) for r in results):
+        """Remember where a block became dense maps (for the report).
+
+        Vectors without spatial axes (a time embedding added to every position, a
+        gate's per-channel scale) were never windowed: the maps beside them stay so.
+        """
+        if any(
+            r is not None and not isinstance(r, Windowed) and r.dim() > 3 for r in results
+        ):
             self.window_ends.setdefault(self._place(where), "the boxes fill the map")
 
     def _backprop_dense(self, call: Call, grads: Tensor) -> Tensor:

@@ -559,6 +559,38 @@ def test_report_says_where_windows_ended(monkeypatch):
     assert not report.windowed and not report.window_ends
 
 
+class TimeAdded(nn.Module):
+    """A time embedding (per sample and channel) added to a convolution's maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = (
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.Conv2d(4, 2, 3, padding=1),
+        )
+        self.time = nn.Linear(3, 4)
+
+    def forward(self, x, t):
+        h = self.conv1(x) + self.time(t)[:, :, None, None]
+        return self.conv2(F.silu(h))
+
+
+def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch):
+    """The embedding's vectors have no spatial axes: the maps' boxes go on."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    torch.manual_seed(0)
+    model = TimeAdded().double()
+    x = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    t = torch.randn(2, 3, dtype=torch.float64)
+    y = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    got, report = ggnchunk.diag_ggn(model, nn.MSELoss(), (x, t), y, num_chunks=4,
+                                    return_report=True)  # fmt: skip
+    assert report.windowed and not report.window_ends, report.window_ends
+    expected = reference_diag_ggn(model, nn.MSELoss(), (x, t), y)
+    assert_diag_close(got, expected, rtol=1e-9, label="time embedding added")
+
+
 def test_small_maps_sweep_dense_columns():
     """Below MIN_POSITIONS output positions the engine does not window (not worth it)."""
     model, loss_func, x, targets = _problem("outpad-ae", "mse")  # 10 x 10 outputs
