@@ -13,7 +13,7 @@ math form of the attention's transposed Jacobian,
 .. math::
 
     P = \operatorname{softmax}(s\,Q K^\top + M),\quad dV = P^\top dO,\quad
-    dS = P \odot (dO\,V^\top - \operatorname{rowsum}(P \odot dO\,V^\top)),\quad
+    dS = P \odot (dO\,V^\top - \operatorname{rowsum}(dO \odot P V)),\quad
     dQ = s\,dS\,K,\quad dK = s\,dS^\top Q,
 
 written with the operations torch's batching does have rules for (3-d ``bmm``,
@@ -74,19 +74,25 @@ class _FoldedAttention(torch.autograd.Function):
         if bias is not None:  # rows without any key attended to: zero output
             p = p.nan_to_num(0.0)
         del scores, bias
-        # per column (batched by autograd): only bmm and elementwise maths
+        # per column (batched by autograd): only products and elementwise maths. The
+        # rows' sums of P * dP are dO . O (O = P V, not per column), so no second
+        # [L, S] map per column is made for them
         g = grad.reshape(b, length, dim_v)
-        dp = torch.bmm(g, v3.transpose(1, 2))
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        del dp
+        rows = (g * torch.bmm(p, v3)).sum(-1, keepdim=True)
+        ds = (torch.bmm(g, v3.transpose(1, 2)) - rows) * p
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq = (torch.bmm(ds, k3) * ctx.scale).reshape(q.shape) if need_q else None
+        dq = torch.bmm(ds, k3 * ctx.scale).reshape(q.shape) if need_q else None
         dk = (
-            (torch.bmm(ds.transpose(1, 2), q3) * ctx.scale).reshape(k.shape)
+            torch.bmm(ds.transpose(1, 2), q3 * ctx.scale).reshape(k.shape)
             if need_k
             else None
         )
-        dv = torch.bmm(p.transpose(1, 2), g).reshape(v.shape) if need_v else None
+        dv = None
+        if need_v:  # one product per slice with P (not per column) on the left: the
+            # columns fold into its rows, where a batched product with P copied P
+            # once per column (as large as dP)
+            dv = torch.stack([torch.mm(p[i].t(), g[i]) for i in range(b)])
+            dv = dv.reshape(v.shape)
         return dq, dk, dv, None, None, None
 
 
