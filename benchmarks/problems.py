@@ -8,9 +8,11 @@ run with ``--only``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Problem = tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]
@@ -297,7 +299,8 @@ def build(name: str, device: str = "cpu", scale: int = 1, seed: int = 0) -> Prob
     """Build problem ``name`` on ``device`` from ``seed``."""
     torch.manual_seed(seed)
     model, loss_func, x, y = PROBLEMS[name](scale)
-    return model.to(device).eval(), loss_func.to(device), x.to(device), y.to(device)
+    x = tuple(a.to(device) for a in x) if isinstance(x, tuple) else x.to(device)
+    return model.to(device).eval(), loss_func.to(device), x, y.to(device)
 
 
 # -- GPU rows (issue 20) ------------------------------------------------------------------
@@ -321,7 +324,77 @@ def unet_64(scale: int = 1) -> Problem:
     return UNet(width=16), nn.MSELoss(), x, x
 
 
-PROBLEMS.update(tutorial_conv_ae_n64=tutorial_conv_ae_n64, unet_64=unet_64)
+class TimeAttentionUNet(nn.Module):
+    """Issue 19's user model: a time-conditioned U-Net with attention at the bottleneck.
+
+    Called as ``model(x, t)``: a sinusoidal embedding of the per-sample timesteps ``t``
+    (an MLP) added to every block's maps; GroupNorm, SiLU, stride-2 convolutions down,
+    nearest upsampling (``F.interpolate``, as diffusers' ``Upsample2D``) up,
+    ``torch.cat`` skips, and one self-attention block (``nn.MultiheadAttention`` over
+    the positions, GroupNorm first) at the quarter-resolution bottleneck.
+    """
+
+    def __init__(self, channels: int = 3, width: int = 16, tdim: int = 32):
+        super().__init__()
+        self.tdim = tdim
+        self.time = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        w = width
+        self.enc0, self.emb0 = nn.Conv2d(channels, w, 3, padding=1), nn.Linear(tdim, w)
+        self.norm0 = nn.GroupNorm(4, w)
+        self.down0 = nn.Conv2d(w, 2 * w, 3, stride=2, padding=1)
+        self.enc1, self.emb1 = nn.Conv2d(2 * w, 2 * w, 3, padding=1), nn.Linear(tdim, 2 * w)
+        self.norm1 = nn.GroupNorm(4, 2 * w)
+        self.down1 = nn.Conv2d(2 * w, 2 * w, 3, stride=2, padding=1)
+        self.norm_attn = nn.GroupNorm(4, 2 * w)
+        self.attn = nn.MultiheadAttention(2 * w, 2, batch_first=True)
+        self.mid = nn.Conv2d(2 * w, 2 * w, 3, padding=1)
+        self.norm_mid = nn.GroupNorm(4, 2 * w)
+        self.dec1, self.emb_dec1 = (
+            nn.Conv2d(4 * w, 2 * w, 3, padding=1),
+            nn.Linear(tdim, 2 * w),
+        )
+        self.norm_dec1 = nn.GroupNorm(4, 2 * w)
+        self.dec0 = nn.Conv2d(3 * w, w, 3, padding=1)
+        self.norm_dec0 = nn.GroupNorm(4, w)
+        self.head = nn.Conv2d(w, channels, 1)
+
+    def _embed(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        half = self.tdim // 2
+        freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=dtype) / half)
+        args = t.to(dtype)[:, None] * freqs[None]
+        return self.time(torch.cat([torch.sin(args), torch.cos(args)], dim=-1))
+
+    def forward(self, x, t):  # noqa: D102
+        silu, up = F.silu, lambda h: F.interpolate(h, scale_factor=2, mode="nearest")
+        temb = self._embed(t, x.dtype)
+        h0 = silu(self.norm0(self.enc0(x) + self.emb0(temb)[:, :, None, None]))
+        h1 = silu(self.norm1(self.enc1(self.down0(h0)) + self.emb1(temb)[:, :, None, None]))
+        b = self.down1(h1)
+        n, c, hh, ww = b.shape
+        tokens = self.norm_attn(b).flatten(2).transpose(1, 2)
+        b = b + self.attn(tokens, tokens, tokens, need_weights=False)[0].transpose(
+            1, 2
+        ).reshape(n, c, hh, ww)
+        b = silu(self.norm_mid(self.mid(b)))
+        d1 = (
+            self.dec1(torch.cat([up(b), h1], dim=1)) + self.emb_dec1(temb)[:, :, None, None]
+        )
+        d1 = silu(self.norm_dec1(d1))
+        d0 = silu(self.norm_dec0(self.dec0(torch.cat([up(d1), h0], dim=1))))
+        return self.head(d0)
+
+
+def time_unet_64(scale: int = 1) -> Problem:
+    """:class:`TimeAttentionUNet` (width 16) on ``[2, 3, 64, 64]`` and timesteps, MSE."""
+    del scale
+    x = torch.rand(2, 3, 64, 64)
+    t = torch.tensor([10, 500])
+    return TimeAttentionUNet(width=16), nn.MSELoss(), (x, t), x
+
+
+PROBLEMS.update(
+    tutorial_conv_ae_n64=tutorial_conv_ae_n64, unet_64=unet_64, time_unet_64=time_unet_64
+)
 GPU_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64")
 """Rows added to :data:`DEFAULT_PROBLEMS` on CUDA."""
 CONV_AUTOENCODERS = CONV_AUTOENCODERS | {"tutorial_conv_ae_n64"}

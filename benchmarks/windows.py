@@ -4,7 +4,7 @@
 for each problem and chunking (the same budget, or the same fixed number of chunks), in
 one process at 1 thread, the same ``diag_ggn`` call with the windowed path on and off
 (``ggnchunk._windows.ENABLED``), alternating, one untimed call of each, then one timed
-(the 64×64 U-Net: one timed call each, first calls), then one untimed call of each
+(the 64×64 U-Nets: one timed call each, first calls), then one untimed call of each
 under torch's ``FlopCounterMode`` (grouped convolutions' backward counted right,
 :mod:`benchmarks.flops`): the floating-point operations each
 path really runs (the windowed path's on its boxes, zero-padded entries included), as
@@ -33,9 +33,16 @@ PROBLEMS = {
     "conv_ae_28": ("64MiB", 1, "conv AE 16×1×28×28, kernel-4 decoder", None),
     "unet_32": ("300MiB", 16, "U-Net 4×3×32×32, width 16", 2.0),
     "unet_64": ("1GiB", 128, "U-Net 2×3×64×64, width 16", 5.0),
+    "time_unet_64": ("2GiB", 128, "time-conditioned U-Net 2×3×64×64 with attention", 5.0),
 }
-ROUNDS = {"unet_64": 1}  # timed calls per path (the others: one untimed, then one)
-UNCOUNTED = {("unet_64", "dense")}  # FLOPs not counted (an extra call takes minutes)
+ROUNDS = {
+    "unet_64": 1,
+    "time_unet_64": 1,
+}  # timed calls per path (the others: one untimed, then one)
+UNCOUNTED = {
+    ("unet_64", "dense"),
+    ("time_unet_64", "dense"),
+}  # FLOPs not counted (an extra call takes minutes)
 
 
 def _measure(name: str, chunking: str) -> dict:
