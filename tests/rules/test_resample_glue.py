@@ -277,17 +277,6 @@ def test_resample_workspace_is_in_the_bound(monkeypatch):
     assert folded - plain >= (2 * 2 * 4 * 32 + 2 * 2 * 4 * 32) * 8
 
 
-class _Out(nn.Module):
-    """A torchvision segmentation model's ``["out"]``."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x)["out"]
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
 @pytest.mark.parametrize("chunking", ["onepass", "chunks5", "budget"])
@@ -300,12 +289,13 @@ def test_torchvision_deeplabv3(chunking):
     import torchvision
 
     from tests.real_models import _randomize_norms
+    from tests.rules.test_frozen_attention import Out
 
     torch.manual_seed(0)
     net = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
         weights=None, weights_backbone=None, num_classes=3, aux_loss=False
     )
-    model = _Out(_randomize_norms(net).double().eval())
+    model = Out(_randomize_norms(net).double().eval())
     for name, param in model.named_parameters():  # the pooling branch's norm, the head
         param.requires_grad_(name.startswith(("model.classifier.0.convs.4.2.",
                                               "model.classifier.4.")))  # fmt: skip
