@@ -115,16 +115,19 @@ def _bias(
 def _workspace(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Elements the backward allocates per column, at most (all samples together).
 
-    Per column: the reshaped vectors, ``dP``, its product with ``P``, the difference and
-    ``dS`` (and a transposed copy), ``dQ``, ``dK``, ``dV`` with their scaled copies, and
-    a copy of every fixed operand a batched product may expand; ``P`` and the scores
-    (once per backward, counted per column).
+    Per column at most three ``[L, S]`` maps are alive at once (``dP`` and the
+    difference, then the difference and ``dS``, then ``dS`` and a transposed copy for
+    ``dK``), with ``dQ``, ``dK``, ``dV`` and their scaled copies; ``P`` and the scores
+    are made once per backward (``O = P V`` too, and ``dV``'s products take ``P``
+    unexpanded), counted here as two more maps per column so that one column's bound
+    holds them. (Nine maps per column were counted before 461926a's backward, which
+    made ``dP`` twice and expanded ``P`` per column.)
     """
     b = math.prod(q.shape[:-2])
     length, dim = q.shape[-2:]
     keys, dim_v = v.shape[-2:]
     probs = b * length * keys
-    return 9 * probs + 3 * b * (length * dim + keys * dim) + 2 * b * (length + keys) * dim_v
+    return 5 * probs + 3 * b * (length * dim + keys * dim) + 2 * b * (length + keys) * dim_v
 
 
 def attention_workspace(node: Any) -> int:

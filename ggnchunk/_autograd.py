@@ -33,14 +33,17 @@ __all__ = [
     "Node",
     "SlowBackwardWarning",
     "accumulated_variable",
+    "apply_node",
     "batched_grad",
     "blocked",
     "edge_key",
     "edge_of",
     "gather_of",
+    "grad_shape",
     "noting",
     "plain_grad",
     "quiet_autograd",
+    "saved_value",
     "scatter_rows",
 ]
 
@@ -96,6 +99,53 @@ def edge_key(edge: GradientEdge | tuple[Node, int]) -> EdgeKey:
     """
     node, number = (edge.node, edge.output_nr) if isinstance(edge, GradientEdge) else edge
     return id(node), int(number)
+
+
+def grad_shape(node: Node, number: int) -> torch.Size | None:
+    """The shape of the gradient a node takes at output ``number`` (its forward output).
+
+    Args:
+        node: An autograd node.
+        number: Its output number.
+
+    Returns:
+        The shape, or ``None`` where the node does not say.
+    """
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is None or number >= len(metadata):
+        return None
+    return torch.Size(metadata[number].shape)
+
+
+def saved_value(node: Node, name: str) -> object:
+    """A value a node saved for its backward (``_saved_<name>``), or ``None``.
+
+    Args:
+        node: An autograd node.
+        name: The saved argument's name (``"other"``, ``"alpha"``, ``"dim"``, ...).
+
+    Returns:
+        The value.
+    """
+    try:
+        return getattr(node, f"_saved_{name}", None)
+    except RuntimeError:  # freed
+        return None
+
+
+def apply_node(node: Node, grad: Tensor) -> tuple[Tensor | None, ...]:
+    """A node's backward on one gradient (the graph is kept).
+
+    Args:
+        node: An autograd node with one output.
+        grad: A gradient of that output's shape.
+
+    Returns:
+        The gradients for the node's inputs.
+    """
+    with torch.no_grad():
+        result = node(grad)
+    return result if isinstance(result, tuple) else (result,)
 
 
 def accumulated_variable(node: Node) -> Tensor | None:

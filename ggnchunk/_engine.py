@@ -467,7 +467,7 @@ class GGNComputation:
             # boxes read from values after glue or a layer without a windowed form:
             # no bound for windowed passes (their extra copies around the glue are not
             # in the dense bound), so a budgeted call runs dense passes, from the first
-            self._windows.choice = False
+            self._windows.choice, self._by_values = False, True
         if (
             self._windowed(sqrt) and self._windows.choice is not False
             and self._recording.windowed_bound_ready
@@ -566,6 +566,19 @@ class GGNComputation:
     _planned_dense = False
     _planned_choice: bool | None = None
     _dense_reason: str | None = None
+    _by_values = False  # dense passes because boxes would be read from values
+
+    @property
+    def field_images_fit(self) -> bool:
+        """Whether the fields' images can all be kept under their limit.
+
+        Then the fields travel in the first windowed pass only.
+        """
+        limit = self._recording.images.limit
+        if limit is None:
+            return True
+        element = self._output.element_size()
+        return limit >= self._recording.field_image_bytes(element)
 
     def limit_field_images(self, limit: int | None) -> None:
         """The most bytes the windowed fields' kept images may take (before any pass).
@@ -703,6 +716,11 @@ class GGNComputation:
         ends = dict(self._recording.window_ends) if self._recording is not None else {}
         if self._dense_reason is not None:
             ends["every pass"] = self._dense_reason
+        elif self._windows.choice is False and self._by_values:
+            ends["every pass"] = (
+                "boxes after glue without a windowed form are read from values, which "
+                "the memory bound cannot count: a budgeted call runs dense passes"
+            )
         elif self._windows.choice is False:
             ends["every later pass"] = (
                 "the dense path was measured faster on this model's first passes"

@@ -41,9 +41,21 @@ class MemoryBound(Traversal):
             Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
         """
         n = self._batch
-        waiting = _Waiting()
         worst = 0
         seen = self._seen if windowed else {}
+
+        class Meeting(_Waiting):
+            """Windowed blocks meeting at a place: added on the union of their boxes.
+
+            Both are reboxed, then summed: three blocks beside the two.
+            """
+
+            def add(self, store, key, value, fresh=False):
+                if windowed and store.get(key) is not None:
+                    settle(value + 3 * max(value, store[key]))
+                super().add(store, key, value, fresh)
+
+        waiting = Meeting()
 
         def sized(where: str, call: Call, full: int) -> int:
             if not windowed or ("dense", call.index) in seen:
@@ -56,9 +68,22 @@ class MemoryBound(Traversal):
 
         def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
             ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
-            if windowed and size < source.numel:  # a cat sliced on the boxes (a
-                # block meeting other glue leaves no windowed bound)
-                return [(c.out_edge, sized("out", c, c.out_numel)) for c in ends]
+            if windowed and size < source.numel:  # a cat sliced on the boxes, or
+                # a region crossed on them (:mod:`.glue_windows`)
+                outs = [(c.out_edge, sized("out", c, c.out_numel)) for c in ends]
+                glue_plan = self.glue_plan(source)
+                if glue_plan is not None or source.params:
+                    added = sum(v for _, v in outs)
+                    buffers = 2 * (size + added)  # the nodes' results on the boxes
+                    if glue_plan is None or glue_plan.handoffs:  # dense from a node on
+                        buffers += 2 * (source.numel + sum(c.out_numel for c in ends))
+                        buffers += -(-source.workspace // n)
+                    if source.params:  # the parameters' products: dense vectors
+                        buffers += source.numel + sum(
+                            self._params[i].numel() for i in source.params
+                        )
+                    settle(size + added + buffers)
+                return outs
             added = sum(call.out_numel for call in ends)
             buffers = 2 * (size + added) + -(-source.workspace // n)
             if source.params:

@@ -71,6 +71,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         # output and input, for the windowed memory bound; ("dense", i): a full map
         self._seen: dict[tuple[str, int], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
+        self._glue_plans: dict[EdgeKey, Any] = {}  # glue regions' windowed plans
         self.windowed_sweeps = 0
         self.images = FieldCache()  # the windowed fields' images, reused by every sweep
 

@@ -26,10 +26,11 @@ from ggnchunk._autograd import (
     noting,
 )
 from ggnchunk._checks import user_stacklevel
+from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
-from ggnchunk._windows import Windowed, attach, dense, joined_coeffs, window
+from ggnchunk._windows import Windowed, attach, dense, joined_coeffs, mix, window
 from ggnchunk._windows import add as add_vectors
 
 
@@ -60,7 +61,17 @@ class Sweeps(Traversal):
             split = None if block is None else self._split_channels(source, block)
             if split is not None:  # torch.cat along channels: the boxes stay
                 return [(edge, split[edge_key(edge)]) for edge in source.frontier]
-            if source.frontier:
+            glue_plan = None if block is None else self.glue_plan(source)
+            if glue_plan is not None and source.frontier:
+                # the region's nodes on the boxes (dense past a node without a windowed
+                # form); its fields cross apart (once per forward pass)
+                results, _ = cross(
+                    glue_plan, block.windowed_part(), source.frontier, self._note(source)
+                )
+                results = self._glue_fields(source, block, results, quantity, False)
+                self._window_ended(source, results)
+                found = list(zip(source.frontier, results, strict=True))
+            elif source.frontier:
                 # a block crosses as its windowed part made dense, windowed again from
                 # the values it reaches; its fields cross apart (once per forward pass)
                 vectors = grads if block is None else block.windowed_part().dense()
@@ -153,12 +164,13 @@ class Sweeps(Traversal):
         return back
 
     def _glue_fields(
-        self, source: _Source, block: Windowed, results: tuple[Any, ...],
-        quantity: Quantity,
+        self, source: _Source, block: Windowed, results: tuple[Any, ...] | list[Any],
+        quantity: Quantity, by_values: bool = True,
     ) -> list[Any]:  # fmt: skip
-        """The windowed part's images through glue, windowed, with the fields' images.
+        """The windowed part's images through glue, with the fields' images.
 
-        The fields cross the glue once per forward pass (kept in :attr:`images`).
+        Dense results are windowed from their values where ``by_values``. The fields
+        cross the glue once per forward pass (kept in :attr:`images`).
         """
         fields: tuple[Any, ...] = (None,) * len(results)
         key = None
@@ -170,10 +182,13 @@ class Sweeps(Traversal):
                     return tuple(quantity.through(source, block.fields))
 
             fields = self.images.get(key, make)
-        return [
-            attach(window(r), f, block.coeffs, None if key is None else (key, i))
-            for i, (r, f) in enumerate(zip(results, fields, strict=True))
-        ]
+        out = []
+        for i, (r, f) in enumerate(zip(results, fields, strict=True)):
+            if r is None and f is not None:  # reached by the fields only
+                r = torch.zeros_like(mix(block.coeffs, f))
+            r = window(r) if by_values else r
+            out.append(attach(r, f, block.coeffs, None if key is None else (key, i)))
+        return out
 
     def _split_channels(
         self, source: _Source, block: Windowed
@@ -236,12 +251,17 @@ class Sweeps(Traversal):
         region is one ``torch.cat`` of layer outputs along channels; elsewhere boxes are
         read from values (exact, but with copies the memory bound does not count).
         """
-        for call in self.calls:
-            if call.leaf is not None and not call.rule.windowed:
+        for call in self.calls:  # (outputs without spatial axes get no blocks)
+            if (
+                call.leaf is not None and not call.rule.windowed
+                and len(call.ctx.out_shape) > 2
+            ):  # fmt: skip
                 return False
         for source in self._sources.values():
             if source.direct or not (source.frontier or source.params):
                 continue
+            if not source.frontier or self.glue_plan(source) is not None:
+                continue  # (the parameters' products are counted dense)
             if source.params or not self._is_channel_cat(source):
                 return False
         return True

@@ -16,6 +16,7 @@ from ggnchunk._autograd import (
     GradientEdge,
     edge_key,
 )
+from ggnchunk._graph.glue_windows import GluePlan, plan
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._windows import FieldCache
 
@@ -40,7 +41,23 @@ class Traversal:
     _out_keys: dict[EdgeKey, int]
     _seen: dict[tuple[str, int], int]
     _by_values: bool
+    _glue_plans: dict[EdgeKey, Any]
     _warned: bool
+
+    def glue_plan(self, source: _Source) -> GluePlan | None:
+        """A glue region's plan for windowed blocks (:mod:`.glue_windows`), kept.
+
+        Args:
+            source: The region.
+
+        Returns:
+            The plan, or ``None`` where the region's first node has no windowed form.
+        """
+        if source.key not in self._glue_plans:
+            self._glue_plans[source.key] = (
+                plan(source.target, source.frontier) if source.frontier else None
+            )
+        return self._glue_plans[source.key]
 
     def _traverse(
         self,

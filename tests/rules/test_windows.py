@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import ggnchunk
 from ggnchunk import _engine, _windows
+from ggnchunk._graph import sweep
 from ggnchunk._quantities import DiagonalGGN
 from ggnchunk._rules import conv
 from ggnchunk._rules.geometry import patch_index
@@ -128,6 +129,60 @@ class AttentionBottleneck(nn.Module):
         return self.head(torch.cat([F.relu(self.up(h)), x], dim=1))
 
 
+class FunctionalUNet(nn.Module):
+    """Glue written as functions, as diffusers' blocks do: crossed on the boxes.
+
+    A scale and shift per sample and channel (from a Linear on the pooled input) on a
+    GroupNorm's maps, ``F.silu``, a learned per-channel gain (a parameter in the
+    glue), self-attention at the half-resolution bottleneck added to its input,
+    ``torch.tanh``, ``F.interpolate`` back up, a product of two maps, and ``cat`` with
+    the raw input (a part that needs no grad).
+    """
+
+    def __init__(self, channels: int = 2, width: int = 4):
+        super().__init__()
+        self.enc = nn.Conv2d(channels, width, 3, padding=1)
+        self.emb = nn.Linear(channels, 2 * width)
+        self.norm = nn.GroupNorm(2, width)
+        self.gain = nn.Parameter(torch.ones(1, width, 1, 1))
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.dec = nn.Conv2d(2 * width, width, 3, padding=1)
+        self.head = nn.Conv2d(width + channels, channels, 1)
+
+    def forward(self, x):
+        scale, shift = self.emb(x.mean((2, 3))).chunk(2, dim=1)
+        h = self.norm(self.enc(x)) * (1 + scale[:, :, None, None])
+        h = F.silu(h + shift[:, :, None, None]) * self.gain
+        b = self.down(h)
+        n, c, hh, ww = b.shape
+        seq = b.flatten(2).transpose(1, 2)
+        att = self.attn(seq, seq, seq, need_weights=False)[0]
+        b = b + att.transpose(1, 2).reshape(n, c, hh, ww)
+        u = F.interpolate(torch.tanh(b), scale_factor=2, mode="nearest")
+        d = F.gelu(self.dec(torch.cat([u, h], dim=1))) * torch.sigmoid(h)
+        return self.head(torch.cat([d, x], dim=1))
+
+
+class FunctionalResizes(nn.Module):
+    """``F.interpolate`` between convolutions in four modes, crossed on the boxes."""
+
+    def __init__(self, channels: int = 2, width: int = 3):
+        super().__init__()
+        self.a = nn.Conv2d(channels, width, 3, stride=2, padding=1)
+        self.b = nn.Conv2d(width, width, 3, padding=1)
+        self.c = nn.Conv2d(width, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # 12 x 12
+        h = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+        h = F.silu(self.b(h)) - 0.5 * h
+        h = F.interpolate(h, size=(13, 17), mode="bicubic", align_corners=True)
+        h = F.interpolate(h, size=(20, 22), mode="nearest")
+        h = F.interpolate(h, size=(24, 24), mode="area")
+        return self.c(h) * 2
+
+
 class ConvVAE(nn.Module):
     """Conv encoder, Linear bottleneck with replayable noise, conv decoder."""
 
@@ -221,6 +276,8 @@ MODELS = {
         nn.Conv2d(3, 2, 1),
     ),
     "attention-bottleneck": lambda: AttentionBottleneck(),
+    "functional-unet": lambda: FunctionalUNet(),
+    "functional-resizes": lambda: FunctionalResizes(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -244,6 +301,7 @@ SHAPES = {
     "conv-vae-linear-bottleneck": (1, 8, 8),
     "convT-dilation-stride3": (2, 11, 11),
     "residual-groupnorm": (2, 20, 20),
+    "functional-resizes": (2, 24, 24),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
@@ -591,6 +649,36 @@ def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch
     assert_diag_close(got, expected, rtol=1e-9, label="time embedding added")
 
 
+@pytest.mark.parametrize("name", ["functional-resizes", "functional-unet"])
+def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
+    """Pointwise maps, broadcast sums and products, cats and resizes keep the boxes.
+
+    Nothing is windowed from values; the attention inside ``functional-unet``'s glue
+    is crossed dense, by autograd. The results are exact either way (the table above).
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    crossed = []
+    cross = sweep.cross
+
+    def spy(*args, **kwargs):
+        results, was_handed = cross(*args, **kwargs)
+        crossed.append(was_handed)
+        return results, was_handed
+
+    monkeypatch.setattr(sweep, "cross", spy)
+    by_values = []
+    window = sweep.window
+    monkeypatch.setattr(sweep, "window", lambda v: by_values.append(v) or window(v))
+    model, loss_func, x, targets = _problem(name, "mse")
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2)
+    assert crossed, "no glue region was crossed on the boxes"
+    assert any(crossed) is (name == "functional-unet")
+    assert not by_values, "a region was crossed dense and windowed from values"
+    assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
+
+
 def test_small_maps_sweep_dense_columns():
     """Below MIN_POSITIONS output positions the engine does not window (not worth it)."""
     model, loss_func, x, targets = _problem("outpad-ae", "mse")  # 10 x 10 outputs
@@ -750,13 +838,16 @@ def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("name", "windowed"), [("tutorial-ae", True), ("attention-bottleneck", False)]
+    ("name", "windowed"),
+    [("tutorial-ae", True), ("attention-bottleneck", False), ("functional-unet", True)],
 )
 def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, monkeypatch):
     """Under a budget, value-read boxes mean dense passes from the first one.
 
-    Glue other than a channel cat reads boxes from values, with copies the memory bound
-    does not count.
+    Glue whose first node has no windowed form (the attention bottleneck's reshape of
+    tokens into a map) reads boxes from values, with copies the memory bound does not
+    count; glue of pointwise maps, broadcast sums and products, cats and resizes
+    (``functional-unet``, attention inside it) keeps boxes of known sizes.
     """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
@@ -765,6 +856,8 @@ def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, mon
         model, loss_func, x, targets, max_memory="256MiB", return_report=True
     )
     assert report.windowed is windowed
+    if not windowed:
+        assert "read from values" in str(report.window_ends)
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
 

@@ -1,0 +1,437 @@
+"""Windowed blocks through glue: the glue's own nodes, mapped box by box.
+
+A glue region between layers (an activation called as a function, a time embedding
+added to every position, a residual sum, ``torch.cat``, a resize) would otherwise be
+crossed by autograd on the block made dense (a full map per column) and the results
+windowed again from their values, whose boxes the memory bound cannot know in advance.
+Here the region's nodes are read once (:func:`plan`) and the block crosses the ones of
+known geometry on its boxes (:func:`cross`):
+
+- pointwise maps (``F.silu``, ``torch.sigmoid``, ``x * 2``, ...): the block times the
+  node's derivative map (the node applied to ones, once per sweep), gathered on the
+  boxes;
+- additions and subtractions: the block to each side; a side broadcast over the
+  positions (``h + emb[:, :, None, None]``) gets the block summed over its box, a
+  vector without spatial axes;
+- products with a recorded tensor (a map, or a per-channel or per-sample factor): the
+  block times the factor on its boxes (summed where the side is broadcast);
+- ``torch.cat`` along channels: channel slices, same boxes;
+- resizes folded by :mod:`ggnchunk._resample`: each spatial axis's matrix restricted to
+  the box's rows and the input rows they reach (one box size for all columns).
+
+Every other node (attention, reshapes that flatten positions, ...) and every vector
+without spatial axes is handed to autograd at that node, batched over the columns, on
+dense vectors; its results at the frontier stay dense. So every box size comes from the
+region's structure alone, never from values, and the memory bound can count them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ggnchunk._autograd import (
+    EdgeKey,
+    GradientEdge,
+    Node,
+    apply_node,
+    batched_grad,
+    edge_key,
+    grad_shape,
+    saved_value,
+)
+from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather
+from ggnchunk._windows import add as add_vectors
+
+__all__ = ["GluePlan", "cross", "plan"]
+
+POINTWISE = frozenset({
+    "SiluBackward0", "SigmoidBackward0", "TanhBackward0", "ReluBackward0",
+    "GeluBackward0", "EluBackward0", "LeakyReluBackward0", "HardswishBackward0",
+    "HardsigmoidBackward0", "SoftplusBackward0", "MishBackward0", "ExpBackward0",
+    "NegBackward0", "MulBackward1", "DivBackward1", "HardtanhBackward0",
+    "ThresholdBackward0", "CloneBackward0", "AliasBackward0", "AbsBackward0",
+    "SinBackward0", "CosBackward0", "LogBackward0", "SqrtBackward0", "PowBackward0",
+    "RsqrtBackward0", "ReciprocalBackward0", "ClampBackward1", "ClampMinBackward0",
+    "ClampMaxBackward0", "AddBackward1", "SubBackward1", "RsubBackward1",
+    "LogSigmoidBackward0", "Relu6Backward0", "SeluBackward0", "CeluBackward0",
+    "SoftshrinkBackward0", "HardshrinkBackward0", "ErfBackward0", "LogitBackward0",
+    "SgnBackward0", "SignBackward0", "RoundBackward0", "FloorBackward0", "CeilBackward0",
+})  # fmt: skip
+"""Nodes whose backward multiplies by a map of the same shape (a diagonal Jacobian)."""
+
+RESAMPLE = "_FoldedResampleBackward"
+
+
+@dataclass
+class GluePlan:
+    """A glue region's nodes in the order the block crosses them.
+
+    Attributes:
+        start: The region's first node and output number.
+        order: The nodes (by id) in a reverse topological order.
+        nodes: ``id -> node``.
+        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "cat" | "resample" |
+            "hand"`` (``"hand"``: handed to autograd, dense).
+        consumers: ``id -> `` number of region edges into the node.
+        frontier: The region's frontier edge keys, in the source's order.
+        handoffs: Whether a spatial block is handed to autograd somewhere (dense
+            results, counted as full maps).
+    """
+
+    start: tuple[Node, int]
+    order: list[int]
+    nodes: dict[int, Node]
+    action: dict[int, str]
+    consumers: dict[int, int]
+    frontier: list[EdgeKey]
+    handoffs: bool = False
+    derivative: dict[int, Tensor] = field(default_factory=dict)
+
+
+def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
+    """Read a region's nodes; ``None`` where its first node has no windowed form.
+
+    Args:
+        target: The region's start (a tensor or a gradient edge).
+        frontier: The layer outputs it reaches.
+
+    Returns:
+        The plan, or ``None`` (the region is crossed on dense vectors, as before).
+    """
+    if isinstance(target, Tensor):
+        node, number = target.grad_fn, target.output_nr
+    else:
+        node, number = target.node, target.output_nr
+    if node is None:
+        return None
+    ends = [edge_key(e) for e in frontier]
+    end_set = set(ends)
+    end_nodes = {k[0] for k in ends}
+    if (id(node), number) in end_set:
+        return None  # direct: nothing to cross
+    reach: dict[int, bool] = {}
+    nodes: dict[int, Node] = {}
+
+    def reaches(n: Node) -> bool:  # iterative: regions can be long chains
+        stack = [(n, False)]
+        while stack:
+            cur, expanded = stack.pop()
+            key = id(cur)
+            if key in reach and not expanded:
+                continue
+            if id(cur) in end_nodes:
+                reach[key] = False  # a layer output: only its edges count
+                continue
+            nexts = [(m, k) for m, k in cur.next_functions if m is not None]
+            if not expanded:
+                stack.append((cur, True))
+                stack.extend((m, False) for m, _ in nexts if id(m) not in reach)
+                continue
+            nodes[key] = cur
+            reach[key] = any(
+                (id(m), int(k)) in end_set or reach.get(id(m), False) for m, k in nexts
+            )
+        return reach.get(id(n), False)
+
+    if not reaches(node):
+        return None
+    region = {k for k, r in reach.items() if r}
+    consumers = dict.fromkeys(region, 0)
+    for k in region:
+        for m, _ in nodes[k].next_functions:
+            if m is not None and id(m) in region:
+                consumers[id(m)] += 1
+    for k in region:  # a node that is also a frontier node's other output: no plan
+        if k in end_nodes:
+            return None
+    # the order: Kahn's, from the start
+    order, ready, left = [], [id(node)], dict(consumers)
+    if left[id(node)] != 0:
+        return None  # the start is reached again inside its own region
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        for m, _ in nodes[k].next_functions:
+            if m is not None and id(m) in region:
+                left[id(m)] -= 1
+                if left[id(m)] == 0:
+                    ready.append(id(m))
+    if len(order) != len(region):
+        return None
+    out = GluePlan((node, number), order, nodes, {}, consumers, ends)
+    # what each node does with a spatial block (from shapes only)
+    spatial: dict[int, bool] = {id(node): True}
+    for k in order:
+        n = nodes[k]
+        act = _action(n) if spatial.get(k, False) else "hand"
+        if act is None:
+            act = "hand"
+        out.action[k] = act
+        if act == "hand":
+            out.handoffs = out.handoffs or spatial.get(k, False)
+            continue
+        shape = grad_shape(n, 0)
+        for m, nr in n.next_functions:
+            if m is None or id(m) not in region:
+                continue
+            there = grad_shape(m, nr)
+            keeps = (
+                there is not None and shape is not None and len(there) == len(shape)
+                and math.prod(there[2:]) > 1
+            )  # fmt: skip
+            spatial[id(m)] = spatial.get(id(m), False) or keeps
+    if out.action[id(node)] == "hand":
+        return None
+    return out
+
+
+def _action(n: Node) -> str | None:
+    """What a node does with a spatial block, or ``None`` (handed to autograd)."""
+    name = n.name()
+    shape = grad_shape(n, 0)
+    if shape is None or len(shape) < 3 or len(n._input_metadata) != 1:
+        return None
+    nexts = n.next_functions
+    if name in POINTWISE:
+        if len(nexts) != 1 or nexts[0][0] is None:
+            return None
+        there = grad_shape(*nexts[0])
+        return "pointwise" if there == shape else None
+    if name in ("AddBackward0", "SubBackward0"):
+        return "add" if name == "AddBackward0" else "sub"
+    if name == "MulBackward0":
+        return "mul"
+    if name == "CatBackward0":
+        dim = saved_value(n, "dim")
+        if dim is None or dim % len(shape) != 1:
+            return None
+        # a part that needs no grad has no node to say its width: one such part's is
+        # what the others leave
+        return "cat" if sum(m is None for m, _ in nexts) <= 1 else None
+    if name == RESAMPLE:
+        matrices = getattr(n, "matrices", None)
+        if matrices is None or len(matrices) != len(shape) - 2:
+            return None
+        return "resample"
+    return None
+
+
+def cross(
+    glue_plan: GluePlan, block: Windowed, frontier: list[GradientEdge], note: Any = None
+) -> tuple[list[Any], bool]:
+    """A block's windowed part across a region, to its frontier.
+
+    Args:
+        glue_plan: The region's :func:`plan`.
+        block: The windowed vectors at the region's start (no fields).
+        frontier: The region's frontier edges (the plan's, in its order).
+        note: Passed to :func:`~ggnchunk._autograd.batched_grad` for handed-off nodes.
+
+    Returns:
+        ``(results, handed)``: one value per frontier edge (a block, dense vectors or
+        ``None``), and whether a spatial block was handed to autograd (dense results).
+    """
+    p = glue_plan
+    node, number = p.start
+    values: dict[EdgeKey, Any] = {(id(node), number): block}
+    ends = set(p.frontier)
+    results: dict[EdgeKey, Any] = {}
+    hand_edges: list[GradientEdge] = []
+    hand_values: list[Tensor] = []
+    handed = False
+    derivative: dict[int, Tensor] = {}
+
+    def send(m: Node, nr: int, value: Any) -> None:
+        key = (id(m), int(nr))
+        store = results if key in ends else values
+        if key not in ends and id(m) not in p.action:
+            return  # reaches no frontier edge
+        old = store.get(key)
+        store[key] = value if old is None else add_vectors(old, value)
+
+    for k in p.order:
+        n = p.nodes[k]
+        mine = [(nr, values.pop((k, nr))) for nr in range(len(n._input_metadata))
+                if (k, nr) in values]  # fmt: skip
+        if not mine:
+            continue
+        act = p.action[k]
+        value = mine[0][1]
+        if act != "hand" and (len(mine) != 1 or mine[0][0] != 0 or
+                              not isinstance(value, Windowed)):  # fmt: skip
+            act = "hand"
+        if act == "hand":
+            for nr, v in mine:
+                if isinstance(v, Windowed):
+                    handed, v = True, v.dense()
+                elif v.dim() > 3 and math.prod(v.shape[3:]) > 1:
+                    handed = True
+                hand_edges.append(GradientEdge(n, nr))
+                hand_values.append(v)
+            continue
+        for m, nr, v in _step(n, act, value, derivative):
+            send(m, nr, v)
+    if hand_edges:
+        dense = batched_grad(hand_edges, frontier, hand_values, note)
+        for key, v in zip(p.frontier, dense, strict=True):
+            if v is not None:
+                old = results.get(key)
+                results[key] = v if old is None else add_vectors(old, v)
+    return [results.get(key) for key in p.frontier], handed
+
+
+def _step(
+    n: Node, act: str, block: Windowed, derivative: dict[int, Tensor]
+) -> list[tuple[Node, int, Any]]:
+    """One node on a block: ``(next node, output number, vectors)`` per next edge."""
+    nexts = [(m, nr) for m, nr in n.next_functions]
+    out: list[tuple[Node, int, Any]] = []
+    if act == "pointwise":
+        d = derivative.get(id(n))
+        if d is None:
+            shape = grad_shape(n, 0)
+            ones = torch.ones(shape, dtype=block.data.dtype, device=block.data.device)
+            d = derivative[id(n)] = apply_node(n, ones)[0]
+        m, nr = nexts[0]
+        out.append((m, nr, _times(block, d)))
+    elif act in ("add", "sub"):
+        alpha = saved_value(n, "alpha")
+        alpha = 1 if alpha is None else alpha
+        for i, (m, nr) in enumerate(nexts):
+            if m is None:
+                continue
+            v = block
+            if i == 1:
+                scale = -alpha if act == "sub" else alpha
+                if scale != 1:
+                    v = block.with_data(block.data * scale)
+            out.append((m, nr, _reduced(v, grad_shape(m, nr))))
+    elif act == "mul":
+        factors = (saved_value(n, "other"), saved_value(n, "self"))
+        for i, (m, nr) in enumerate(nexts):
+            if m is None:
+                continue
+            out.append((m, nr, _reduced(_times(block, factors[i]), grad_shape(m, nr))))
+    elif act == "cat":
+        known = [None if m is None else grad_shape(m, nr)[1] for m, nr in nexts]
+        rest = block.data.shape[2] - sum(w for w in known if w is not None)
+        offset = 0
+        for (m, nr), width in zip(nexts, known, strict=True):
+            width = rest if width is None else width
+            if m is not None:
+                data = block.data[:, :, offset : offset + width]
+                out.append((m, nr, block.with_data(data)))
+            offset += width
+        if offset != block.data.shape[2] or rest < 0:
+            raise RuntimeError("ggnchunk: a cat's sizes do not add up (internal error)")
+    elif act == "resample":
+        m, nr = nexts[0]
+        out.append((m, nr, _resampled(block, n.matrices, grad_shape(m, nr))))
+    return out
+
+
+def _times(block: Windowed, factor: Any) -> Any:
+    """The block times a map, a per-channel/per-sample factor or a number."""
+    if not isinstance(factor, Tensor):
+        return block.with_data(block.data * factor)
+    dims = 2 + len(block.size)
+    if factor.dim() > dims:
+        return _dense_times(block, factor)
+    shape = (1,) * (dims - factor.dim()) + tuple(factor.shape)
+    factor = factor.reshape(shape)
+    spatial = shape[2:]
+    if all(s == 1 for s in spatial):
+        return block.with_data(block.data * factor.unsqueeze(0))
+    if tuple(spatial) != tuple(block.size):
+        return _dense_times(block, factor)
+    boxes = gather(factor, block.start, block.box, block.size)  # [V, N', C', *box]
+    return block.with_data(block.data * boxes)
+
+
+def _dense_times(block: Windowed, factor: Tensor) -> Tensor:
+    return block.dense() * factor
+
+
+def _reduced(value: Any, shape: torch.Size | None) -> Any:
+    """Vectors summed to the shape a broadcast side had (none: as they are)."""
+    if shape is None:
+        return value
+    full = tuple(value.shape[1:])
+    if tuple(shape) == full:
+        return value
+    dims = len(full)
+    padded = (1,) * (dims - len(shape)) + tuple(shape)
+    if (
+        len(shape) > dims
+        or not isinstance(value, Windowed)
+        or any(s != 1 for s in padded[2:])
+    ):
+        dense = value.dense() if isinstance(value, Windowed) else value
+        return dense.sum_to_size(dense.shape[0], *padded).reshape(dense.shape[0], *shape)
+    data = value.data.sum(tuple(range(3, 3 + len(value.size))), keepdim=True)
+    v = data.shape[0]
+    if data.shape[1] != padded[0] or data.shape[2] != padded[1]:
+        data = data.sum_to_size(v, *padded[:2], *data.shape[3:])
+    return data.reshape(v, *shape)
+
+
+def _resampled(block: Windowed, matrices: tuple[Tensor, ...], shape: Any) -> Any:
+    """A block through a separable resize: per axis, the matrix's rows of the box."""
+    data, starts, sizes = block.data, [], []
+    for axis, a in enumerate(matrices):  # a: [out, in]
+        a = a.to(data.dtype)
+        b = block.box[axis]
+        lo, hi = _row_ranges(a)
+        width = _widest(lo, hi, b, a.shape[0])
+        s = block.start[:, axis]
+        rows = s[:, None] + torch.arange(b, device=s.device)  # [V, b]
+        inside = (rows >= 0) & (rows < a.shape[0])
+        clamped = rows.clamp(0, a.shape[0] - 1)
+        first = torch.where(inside, lo[clamped], a.shape[1]).min(1).values
+        first = torch.where(first >= a.shape[1], 0, first)  # an empty box
+        cols = first[:, None] + torch.arange(width, device=s.device)  # [V, width]
+        ok = (cols >= 0) & (cols < a.shape[1])
+        sub = a[clamped[:, :, None], cols.clamp(0, a.shape[1] - 1)[:, None, :]]
+        sub = sub * (inside[:, :, None] & ok[:, None, :]).to(sub.dtype)  # [V, b, w]
+        # contract the axis: [V, ..., b, ...] with [V, b, w]
+        moved = data.movedim(3 + axis, -1)
+        lead = moved.shape[1:-1]
+        flat = moved.reshape(moved.shape[0], -1, b)
+        if flat.stride(1) == 0 or not flat.is_contiguous():
+            flat = flat.contiguous()
+        res = torch.bmm(flat, sub).reshape(moved.shape[0], *lead, width)
+        data = res.movedim(-1, 3 + axis)
+        starts.append(first)
+        sizes.append(a.shape[1])
+    out = Windowed(data, torch.stack(starts, 1), tuple(sizes))
+    if shape is not None and tuple(shape[2:]) != tuple(sizes):
+        raise RuntimeError("ggnchunk: a resize's matrices do not match (internal error)")
+    return end_of(out, MAX_FILL)
+
+
+def _row_ranges(a: Tensor) -> tuple[Tensor, Tensor]:
+    """Per output row: the first input column it reads and one past the last."""
+    nz = a != 0
+    idx = torch.arange(a.shape[1], device=a.device)
+    lo = torch.where(nz, idx, a.shape[1]).min(1).values
+    hi = torch.where(nz, idx + 1, 0).max(1).values
+    return lo, hi
+
+
+def _widest(lo: Tensor, hi: Tensor, b: int, out: int) -> int:
+    """The widest input range ``b`` consecutive output rows read, at any position."""
+    best = 1
+    for a0 in range(-(b - 1), out):
+        r0, r1 = max(a0, 0), min(a0 + b, out) - 1
+        if r1 < r0:
+            continue
+        first = int(lo[r0 : r1 + 1].min())
+        last = int(hi[r0 : r1 + 1].max())
+        if last > first:
+            best = max(best, last - first)
+    return best
