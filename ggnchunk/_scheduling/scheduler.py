@@ -238,7 +238,7 @@ def _run_adaptive(
             decision.overshot = cached.overshot
         elif (
             cached is None and mode is Mode.BUDGET and not planner.backend.sees_reuse
-            and 4 <= size and (
+            and size >= 4 and (
                 size < total - start
                 # the rest in one chunk, but that chunk's bound is more than half the
                 # target: a heap that earlier work left fragmented can take up to ~2.3x
