@@ -427,13 +427,45 @@ def _bounds_for_budget(
     run.limit_field_images(int(max(0, min(room // 4, room - run.column_bytes()))))
     first = (run.fixed_bytes(), run.column_bytes())  # the bounds for the plan, fields
     # travelling (the first pass; where not even that fits, no plan does)
-    if passes(first) == inf:
-        return False, inf
-    if run.may_window and not run.field_images_fit:
-        # the images do not all fit their share: the fields travel in every pass
-        # (measured: 800 one-column passes planned as 4 on a GroupNorm model)
-        return False, passes(first)
-    return False, passes(full)
+    return False, passes(full) if passes(first) < inf else inf
+
+
+def _dense_after_first_pass(
+    run: GGNComputation, budget: int, level: int, total: int, device: torch.device
+) -> None:
+    """After the first windowed pass: dense passes where windows would need many more.
+
+    The plan before any pass estimates the fields' images from shapes; the first pass
+    shows whether they were all kept. Where they were not, the fields travel in every
+    windowed pass, and a budget they nearly fill leaves room for a few columns per pass
+    (measured: 800 one-column passes on a residual GroupNorm model at 64 MiB, where
+    dense passes take 69): then every later pass runs dense, as the plan does where the
+    windowed passes are more than twice the dense ones.
+
+    Args:
+        run: The computation.
+        budget: The budget in bytes.
+        level: Bytes in use above the call's baseline before the first pass.
+        total: Columns to compute.
+        device: Where the work runs.
+    """
+    if run.windowed_passes != 1 or not run.may_window or run.field_images_kept:
+        return
+
+    def passes(cost: tuple[int, int]) -> float:
+        return passes_within(budget, device, level, *cost, total)
+
+    windowed = passes((run.fixed_bytes(), run.column_bytes()))
+    run.plan_dense(True)
+    dense = passes((run.fixed_bytes(), run.column_bytes()))
+    run.plan_dense(False)
+    if windowed > 2 * dense:
+        run.plan_dense(
+            True,
+            "windowed passes carry fields (dense maps per sample) whose images the "
+            f"budget cannot keep: {windowed:.0f} passes within max_memory against "
+            f"{dense:.0f} dense; every pass after the first runs dense",
+        )
 
 
 def _plan_for_budget(
@@ -556,6 +588,7 @@ def _compute(
             if bar is not None:
                 bar.update(1)
 
+        level = 0
         if last > first:
             if local.max_memory is not None and tracker is not None:
                 level = max(0, getattr(tracker, "settled", tracker.current)() - baseline)
@@ -565,7 +598,13 @@ def _compute(
             else:  # the bounds for chunks of up to all columns
                 run.fixed_bytes()
 
-            def bound(run=run) -> tuple[int, int]:  # asked again after the first pass
+            def bound(run=run, level=level) -> tuple[int, int]:
+                # asked again after the first pass
+                if local.max_memory is not None and tracker is not None:
+                    _dense_after_first_pass(
+                        run, parse_memory(local.max_memory), level, last - first,
+                        problem.device,
+                    )  # fmt: skip
                 return run.fixed_bytes(), run.column_bytes()
 
             _, schedule = scheduler.run(

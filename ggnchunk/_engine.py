@@ -545,6 +545,7 @@ class GGNComputation:
             self._planned_choice = self._windows.choice
         if dense:
             self._windows.choice, self._dense_reason = False, reason
+            self._dense_limit = None  # dense chunks are planned with the dense bound
         elif self._planned_dense:
             self._windows.choice, self._dense_reason = self._planned_choice, None
         self._planned_dense = dense
@@ -569,16 +570,17 @@ class GGNComputation:
     _by_values = False  # dense passes because boxes would be read from values
 
     @property
-    def field_images_fit(self) -> bool:
-        """Whether the fields' images can all be kept under their limit.
+    def field_images_kept(self) -> bool:
+        """Whether the windowed passes' fields need not travel (none, or all images kept).
 
-        Then the fields travel in the first windowed pass only.
+        Known after the first windowed pass (before it: whether there are no fields).
         """
-        limit = self._recording.images.limit
-        if limit is None:
-            return True
-        element = self._output.element_size()
-        return limit >= self._recording.field_image_bytes(element)
+        recording = self._recording
+        fields = sum(
+            call.rule.field_count(call.ctx) for call in recording.calls
+            if call.leaf is not None
+        )  # fmt: skip
+        return not fields or (recording.images.complete and recording.geometric_windows)
 
     def limit_field_images(self, limit: int | None) -> None:
         """The most bytes the windowed fields' kept images may take (before any pass).

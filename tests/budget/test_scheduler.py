@@ -508,10 +508,9 @@ class _FakeWindowedRun(_FakeRun):
     carry none.
     """
 
-    def __init__(self, fields, windowed=MiB // 4, dense=MiB, images_fit=True):
+    def __init__(self, fields, windowed=MiB // 4, dense=MiB):
         super().__init__((MiB, dense), (MiB, dense))
         self.fields, self.windowed, self.dense = fields, windowed, dense
-        self.field_images_fit = images_fit
         self.assume_fields_kept, self.dense_only, self.reason = False, False, None
         self.dense_limit = None
 
@@ -534,25 +533,21 @@ class _FakeWindowedRun(_FakeRun):
 
 
 @pytest.mark.parametrize(
-    ("fields", "images_fit", "dense_only", "says"),
-    [(0, True, False, None),  # windowed passes plan 4x fewer passes: kept
-     (60 * MiB, True, False, None),  # the fields leave room: windowed, the trial decides
+    ("fields", "dense_only", "says"),
+    [(0, False, None),  # windowed passes plan 4x fewer passes: kept
+     (60 * MiB, False, None),  # the fields leave room: windowed, the trial decides
      # the first pass (its fields travelling) fits the budget, though not the
      # planning target; the later ones keep the fields' images: windowed
-     (80 * MiB, True, False, None),
-     (100 * MiB, True, True, "no pass"),  # no windowed pass fits (dense passes do)
-     # the images do not fit their share, so the fields travel in every pass: 63
-     # passes of 16 columns against dense passes' 15 of 69 (kept, 4 passes)
-     (65 * MiB, True, False, None),
-     (65 * MiB, False, True, "63 passes")],
+     (80 * MiB, False, None),
+     (100 * MiB, True, "no pass")],  # no windowed pass fits (dense passes do): dense
 )  # fmt: skip
 def test_windowed_plans_give_way_to_dense_ones_where_fields_fill_the_budget(
-    monkeypatch, fields, images_fit, dense_only, says
+    monkeypatch, fields, dense_only, says
 ):
     from ggnchunk._api import _plan_for_budget
 
     monkeypatch.setattr(HostMemory, "planning_share", 0.7)
-    run = _FakeWindowedRun(fields, images_fit=images_fit)
+    run = _FakeWindowedRun(fields)
     _plan_for_budget(run, 100 * MiB, 0, 1000, torch.device("cpu"))
     assert run.dense_only is dense_only
     if dense_only:

@@ -861,6 +861,26 @@ def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, mon
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
 
+def test_fields_that_travel_in_every_pass_give_way_to_dense_passes(monkeypatch):
+    """A tight budget whose fields' images cannot all be kept: dense after the first.
+
+    The residual GroupNorm blocks' images need more than their share of 64 MiB, so the
+    fields travel in every windowed pass; windowed passes then planned one column each
+    (800 passes, where dense passes take about 70).
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    model, loss_func, x, targets = _problem("residual-groupnorm", "mse")
+    actual, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, max_memory="64MiB", return_report=True
+    )
+    # (where the process's earlier work leaves more room, the images fit and the
+    # passes stay windowed, fewer still)
+    assert report.num_passes < 200, (report.num_passes, report.window_ends)
+    assert_diag_close(actual, _expected("residual-groupnorm", "mse"), rtol=1e-9)
+
+
 def test_the_trials_outcome_is_remembered_for_later_calls(monkeypatch):
     """A later call on the same problem skips the trial; a new shape runs its own."""
     monkeypatch.setattr(_windows, "ENABLED", True)
