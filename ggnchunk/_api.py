@@ -598,13 +598,15 @@ def _compute(
             else:  # the bounds for chunks of up to all columns
                 run.fixed_bytes()
 
-            def bound(run=run, level=level) -> tuple[int, int]:
-                # asked again after the first pass
-                if local.max_memory is not None and tracker is not None:
-                    _dense_after_first_pass(
-                        run, parse_memory(local.max_memory), level, last - first,
-                        problem.device,
-                    )  # fmt: skip
+            budget = None
+            if local.max_memory is not None and tracker is not None:
+                budget = parse_memory(local.max_memory)
+
+            def bound(
+                run=run, level=level, budget=budget, total=last - first
+            ) -> tuple[int, int]:  # asked again after the first pass
+                if budget is not None:
+                    _dense_after_first_pass(run, budget, level, total, problem.device)
                 return run.fixed_bytes(), run.column_bytes()
 
             _, schedule = scheduler.run(
