@@ -28,7 +28,7 @@ region's structure alone, never from values, and the memory bound can count them
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,7 +90,6 @@ class GluePlan:
     consumers: dict[int, int]
     frontier: list[EdgeKey]
     handoffs: bool = False
-    derivative: dict[int, Tensor] = field(default_factory=dict)
 
 
 def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
