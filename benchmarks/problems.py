@@ -392,8 +392,22 @@ def time_unet_64(scale: int = 1) -> Problem:
     return TimeAttentionUNet(width=16), nn.MSELoss(), (x, t), x
 
 
+def time_unet_32(scale: int = 1) -> Problem:
+    """:class:`TimeAttentionUNet` (width 8) on ``[2, 3, 32, 32]`` and timesteps, MSE.
+
+    Small enough for the fresh-process budget tests: its functional glue (the time
+    embedding added to the maps, ``F.silu``, ``F.interpolate``) crossed on the boxes.
+    """
+    x = torch.rand(2 * scale, 3, 32, 32)
+    t = torch.tensor([10, 500] * scale)
+    return TimeAttentionUNet(width=8, tdim=16), nn.MSELoss(), (x, t), x
+
+
 PROBLEMS.update(
-    tutorial_conv_ae_n64=tutorial_conv_ae_n64, unet_64=unet_64, time_unet_64=time_unet_64
+    tutorial_conv_ae_n64=tutorial_conv_ae_n64,
+    unet_64=unet_64,
+    time_unet_64=time_unet_64,
+    time_unet_32=time_unet_32,
 )
 GPU_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64")
 """Rows added to :data:`DEFAULT_PROBLEMS` on CUDA."""

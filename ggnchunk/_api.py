@@ -312,9 +312,28 @@ def _warm_up(problem: Problem) -> bool:
     Returns whether anything was set up now (``False`` once the process has it).
     """
     ran = warm_up_for(problem.model, problem.dtype, problem.device)
-    if isinstance(problem.handler, AutogradLossSqrtHessian):  # torch.func factorizes
+    if isinstance(problem.handler, AutogradLossSqrtHessian) or _has_glue(problem):
+        # torch.func factorizes the loss, or backpropagates glue in batches: the
+        # forward pass's checks set it up first (about 40 MiB counted as in use after
+        # a first call's forward: 770 passes of 4 columns where a second call planned
+        # 111 of 28, on a time-conditioned U-Net at 64 MiB)
         ran = ensure_batched_autograd() or ran
     return ran
+
+
+def _has_glue(problem: Problem) -> bool:
+    """Whether the model may have glue between its layers (read before its forward).
+
+    A module that is neither a container nor a layer with a rule computes in its own
+    ``forward`` (activations called as functions, residual sums, attention), which
+    autograd backpropagates in batches. Conservative: a custom module whose forward only
+    chains layers counts too.
+    """
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return any(
+        type(module) not in containers and module not in problem.units
+        for module in problem.model.modules()
+    )
 
 
 def _needs_batched_autograd(run: GGNComputation) -> bool:

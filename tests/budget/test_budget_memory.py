@@ -56,16 +56,35 @@ def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("scenario", ["warm", "after_large"])
-def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(scenario):
-    """The U-Net (16 x 16 outputs, GroupNorm): windowed passes carry fields (issue 19).
+@pytest.mark.parametrize(("problem", "budget_mib"), [("unet", 24), ("time_unet_32", 64)])
+def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(
+    problem, budget_mib, scenario
+):
+    """U-Nets with GroupNorm: windowed passes carry fields (issue 19).
 
-    Not the first call in a fresh process: the U-Net's glue pays torch.func's set-up
-    there, which is counted (see the closing note of issue 19).
+    ``time_unet_32``'s glue (a time embedding added to the maps, ``F.silu``,
+    ``F.interpolate``, attention) is crossed on the boxes. Not the first call in a fresh
+    process: the glue pays torch.func's set-up there (about 35 MiB of data, not only
+    code), which this measure counts (see the closing note of issue 19).
     """
-    record = _run("unet", 24, scenario)
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 24, record
+    record = _run(problem, budget_mib, scenario)
+    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_a_first_call_with_glue_plans_as_a_warm_call():
+    """torch.func's set-up, which the forward pass's checks pay, is outside the plan.
+
+    A time-conditioned U-Net at 64 MiB: its first call counted the set-up as in use
+    after the forward pass (41.8 MiB against 1.2 MiB in a second call) and planned 770
+    passes of 4 columns where the second planned 111 of 28.
+    """
+    first, second = _run("time_unet_32", 64, "twice")
+    assert first["passes"] <= 1.25 * second["passes"] + 1, (first, second)
+    assert second["peak_mib"] - second["code_mib"] <= 1.1 * 64, (first, second)
 
 
 FIRST_CALL_CASES = [("tutorial_conv_ae", 12), ("tutorial_conv_ae", 64), ("mlp_ae", 32)]
