@@ -13,8 +13,9 @@ So a budgeted (or ``"auto"``) call first runs tiny problems of the kinds of laye
 model has (once per process, kind, dtype and device) and only then takes its baseline.
 Nothing happens at import: a process that never calls (a DataLoader worker) pays
 nothing; a forked child starts over, as its page tables do not carry the parent's code
-pages. ``torch.func`` is set up only for a call that uses it (a loss without closed form,
-or glue between layers that autograd must backpropagate in batches).
+pages. ``torch.func`` is set up only for a call that may use it (a loss without closed
+form, or a model with glue between its layers, judged before the forward pass from its
+modules, as the forward pass's own checks already backpropagate the glue in batches).
 """
 
 from __future__ import annotations
