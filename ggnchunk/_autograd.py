@@ -41,6 +41,7 @@ __all__ = [
     "gather_of",
     "grad_shape",
     "noting",
+    "output_count",
     "plain_grad",
     "quiet_autograd",
     "saved_value",
@@ -115,6 +116,18 @@ def grad_shape(node: Node, number: int) -> torch.Size | None:
     if metadata is None or number >= len(metadata):
         return None
     return torch.Size(metadata[number].shape)
+
+
+def output_count(node: Node) -> int:
+    """How many outputs a node's forward had (gradients its backward takes).
+
+    Args:
+        node: An autograd node.
+
+    Returns:
+        The count.
+    """
+    return len(getattr(node, "_input_metadata", ()))
 
 
 def saved_value(node: Node, name: str) -> object:

@@ -42,6 +42,7 @@ from ggnchunk._autograd import (
     batched_grad,
     edge_key,
     grad_shape,
+    output_count,
     saved_value,
 )
 from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather
@@ -193,7 +194,7 @@ def _action(n: Node) -> str | None:
     """What a node does with a spatial block, or ``None`` (handed to autograd)."""
     name = n.name()
     shape = grad_shape(n, 0)
-    if shape is None or len(shape) < 3 or len(n._input_metadata) != 1:
+    if shape is None or len(shape) < 3 or output_count(n) != 1:
         return None
     nexts = n.next_functions
     if name in POINTWISE:
@@ -213,7 +214,7 @@ def _action(n: Node) -> str | None:
         # what the others leave
         return "cat" if sum(m is None for m, _ in nexts) <= 1 else None
     if name == RESAMPLE:
-        matrices = getattr(n, "matrices", None)
+        matrices = getattr(n, "matrices", None)  # the folded resize's own attribute
         if matrices is None or len(matrices) != len(shape) - 2:
             return None
         return "resample"
@@ -255,7 +256,7 @@ def cross(
 
     for k in p.order:
         n = p.nodes[k]
-        mine = [(nr, values.pop((k, nr))) for nr in range(len(n._input_metadata))
+        mine = [(nr, values.pop((k, nr))) for nr in range(output_count(n))
                 if (k, nr) in values]  # fmt: skip
         if not mine:
             continue
