@@ -78,7 +78,6 @@ class GluePlan:
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "add" | "sub" | "mul" | "cat" | "resample" |
             "hand"`` (``"hand"``: handed to autograd, dense).
-        consumers: ``id -> `` number of region edges into the node.
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).
@@ -88,7 +87,6 @@ class GluePlan:
     order: list[int]
     nodes: dict[int, Node]
     action: dict[int, str]
-    consumers: dict[int, int]
     frontier: list[EdgeKey]
     handoffs: bool = False
 
@@ -163,7 +161,7 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
                     ready.append(id(m))
     if len(order) != len(region):
         return None
-    out = GluePlan((node, number), order, nodes, {}, consumers, ends)
+    out = GluePlan((node, number), order, nodes, {}, ends)
     # what each node does with a spatial block (from shapes only)
     spatial: dict[int, bool] = {id(node): True}
     for k in order:

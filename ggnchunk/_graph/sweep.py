@@ -185,7 +185,8 @@ class Sweeps(Traversal):
         out = []
         for i, (r, f) in enumerate(zip(results, fields, strict=True)):
             if r is None and f is not None:  # reached by the fields only
-                r = torch.zeros_like(mix(block.coeffs, f))
+                out.append(mix(block.coeffs, f))
+                continue
             r = window(r) if by_values else r
             out.append(attach(r, f, block.coeffs, None if key is None else (key, i)))
         return out
@@ -247,9 +248,10 @@ class Sweeps(Traversal):
     def geometric_windows(self) -> bool:
         """Whether windowed sweeps keep every box by the layers' geometry alone.
 
-        True when every layer that passes vectors on has a windowed rule and every glue
-        region is one ``torch.cat`` of layer outputs along channels; elsewhere boxes are
-        read from values (exact, but with copies the memory bound does not count).
+        True when every layer that passes spatial vectors on has a windowed rule and every
+        glue region is one ``torch.cat`` of layer outputs along channels or starts with a
+        node :mod:`.glue_windows` crosses on the boxes; elsewhere boxes are read from
+        values (exact, but with copies the memory bound does not count).
         """
         for call in self.calls:  # (outputs without spatial axes get no blocks)
             if (
