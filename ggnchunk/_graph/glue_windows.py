@@ -14,21 +14,24 @@ known geometry on its boxes (:func:`cross`):
   positions (``h + emb[:, :, None, None]``) gets the block summed over its box, a
   vector without spatial axes;
 - products with a recorded tensor (a map, or a per-channel or per-sample factor): the
-  block times the factor on its boxes (summed where the side is broadcast);
+  block times the factor on its boxes (summed where the side is broadcast); quotients
+  alike (``(x + h) / scale``: the block over the divisor; a recorded divisor that
+  needs grad gets the block times ``-x / scale**2``);
 - ``torch.cat`` along channels: channel slices, same boxes;
 - resizes folded by :mod:`ggnchunk._resample`: each spatial axis's matrix restricted to
   the box's rows and the input rows they reach (one box size for all columns).
 
 Every other node (attention, reshapes that flatten positions, ...) and every vector
 without spatial axes is handed to autograd at that node, batched over the columns, on
-dense vectors; its results at the frontier stay dense. So every box size comes from the
-region's structure alone, never from values, and the memory bound can count them.
+dense vectors; its results at the frontier stay dense (where the region's first node is
+such a node, the whole region is). So every box size comes from the region's structure
+alone, never from values, and the memory bound can count them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +48,7 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
-from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather
+from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather, valid
 from ggnchunk._windows import add as add_vectors
 
 __all__ = ["GluePlan", "cross", "plan"]
@@ -76,11 +79,14 @@ class GluePlan:
         start: The region's first node and output number.
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
-        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "cat" | "resample" |
-            "hand"`` (``"hand"``: handed to autograd, dense).
+        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" |
+            "resample" | "hand"`` (``"hand"``: handed to autograd, dense).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).
+        handed: The names of the nodes a spatial block is handed to autograd at.
+        windowed_ends: The frontier edges a windowed block can reach (the others get
+            dense vectors, or vectors without spatial axes, whatever the values).
     """
 
     start: tuple[Node, int]
@@ -89,17 +95,20 @@ class GluePlan:
     action: dict[int, str]
     frontier: list[EdgeKey]
     handoffs: bool = False
+    handed: list[str] = field(default_factory=list)
+    windowed_ends: set[EdgeKey] = field(default_factory=set)
 
 
 def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
-    """Read a region's nodes; ``None`` where its first node has no windowed form.
+    """Read a region's nodes and what each does with a spatial block.
 
     Args:
         target: The region's start (a tensor or a gradient edge).
         frontier: The layer outputs it reaches.
 
     Returns:
-        The plan, or ``None`` (the region is crossed on dense vectors, as before).
+        The plan, or ``None`` where the region cannot be ordered from its start (it
+        is crossed on dense vectors, windowed again from their values).
     """
     if isinstance(target, Tensor):
         node, number = target.grad_fn, target.output_nr
@@ -162,7 +171,8 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
     if len(order) != len(region):
         return None
     out = GluePlan((node, number), order, nodes, {}, ends)
-    # what each node does with a spatial block (from shapes only)
+    # what each node does with a spatial block (from shapes only); a region whose
+    # first node has no windowed form is handed to autograd whole, at that node
     spatial: dict[int, bool] = {id(node): True}
     for k in order:
         n = nodes[k]
@@ -171,20 +181,24 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
             act = "hand"
         out.action[k] = act
         if act == "hand":
-            out.handoffs = out.handoffs or spatial.get(k, False)
+            if spatial.get(k, False):
+                out.handoffs = True
+                out.handed.append(n.name())
             continue
         shape = grad_shape(n, 0)
         for m, nr in n.next_functions:
-            if m is None or id(m) not in region:
+            if m is None or (id(m) not in region and (id(m), int(nr)) not in end_set):
                 continue
             there = grad_shape(m, nr)
             keeps = (
                 there is not None and shape is not None and len(there) == len(shape)
                 and math.prod(there[2:]) > 1
             )  # fmt: skip
+            if (id(m), int(nr)) in end_set:
+                if keeps:
+                    out.windowed_ends.add((id(m), int(nr)))
+                continue
             spatial[id(m)] = spatial.get(id(m), False) or keeps
-    if out.action[id(node)] == "hand":
-        return None
     return out
 
 
@@ -204,6 +218,8 @@ def _action(n: Node) -> str | None:
         return "add" if name == "AddBackward0" else "sub"
     if name == "MulBackward0":
         return "mul"
+    if name == "DivBackward0":
+        return "div"
     if name == "CatBackward0":
         dim = saved_value(n, "dim")
         if dim is None or dim % len(shape) != 1:
@@ -315,6 +331,16 @@ def _step(
             if m is None:
                 continue
             out.append((m, nr, _reduced(_times(block, factors[i]), grad_shape(m, nr))))
+    elif act == "div":
+        other = saved_value(n, "other")  # a tensor (a number is a 0-d tensor)
+        for i, (m, nr) in enumerate(nexts):
+            if m is None:
+                continue
+            if i == 0:
+                v = _times(block, other, divide=True)
+            else:  # d(x / y)/dy = -(x / y) / y, as autograd forms it
+                v = _times(block, -(saved_value(n, "self") / other) / other)
+            out.append((m, nr, _reduced(v, grad_shape(m, nr))))
     elif act == "cat":
         known = [None if m is None else grad_shape(m, nr)[1] for m, nr in nexts]
         rest = block.data.shape[2] - sum(w for w in known if w is not None)
@@ -333,26 +359,30 @@ def _step(
     return out
 
 
-def _times(block: Windowed, factor: Any) -> Any:
-    """The block times a map, a per-channel/per-sample factor or a number."""
+def _times(block: Windowed, factor: Any, divide: bool = False) -> Any:
+    """The block times (or over) a map, a per-channel/per-sample factor or a number.
+
+    A divisor is gathered on the boxes like a factor; the positions outside the map
+    are gathered as zeros, so their quotients (``0 / 0``) are set back to zero.
+    """
+    op = torch.div if divide else torch.mul
     if not isinstance(factor, Tensor):
-        return block.with_data(block.data * factor)
+        return block.with_data(op(block.data, factor))
     dims = 2 + len(block.size)
     if factor.dim() > dims:
-        return _dense_times(block, factor)
+        return op(block.dense(), factor)
     shape = (1,) * (dims - factor.dim()) + tuple(factor.shape)
     factor = factor.reshape(shape)
     spatial = shape[2:]
     if all(s == 1 for s in spatial):
-        return block.with_data(block.data * factor.unsqueeze(0))
+        return block.with_data(op(block.data, factor.unsqueeze(0)))
     if tuple(spatial) != tuple(block.size):
-        return _dense_times(block, factor)
+        return op(block.dense(), factor)
     boxes = gather(factor, block.start, block.box, block.size)  # [V, N', C', *box]
-    return block.with_data(block.data * boxes)
-
-
-def _dense_times(block: Windowed, factor: Tensor) -> Tensor:
-    return block.dense() * factor
+    if not divide:
+        return block.with_data(block.data * boxes)
+    inside = valid(block.start, block.box, block.size)  # [V, 1, 1, *box]
+    return block.with_data(torch.where(inside, block.data / boxes, 0))
 
 
 def _reduced(value: Any, shape: torch.Size | None) -> Any:

@@ -27,7 +27,7 @@ from ggnchunk._autograd import (
 )
 from ggnchunk._checks import user_stacklevel
 from ggnchunk._graph.glue_windows import cross
-from ggnchunk._graph.parts import Call, _display, _Source
+from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
 from ggnchunk._windows import Windowed, attach, dense, joined_coeffs, mix, window
@@ -65,11 +65,11 @@ class Sweeps(Traversal):
             if glue_plan is not None and source.frontier:
                 # the region's nodes on the boxes (dense past a node without a windowed
                 # form); its fields cross apart (once per forward pass)
-                results, _ = cross(
+                results, handed = cross(
                     glue_plan, block.windowed_part(), source.frontier, self._note(source)
                 )
                 results = self._glue_fields(source, block, results, quantity, False)
-                self._window_ended(source, results)
+                self._window_ended(source, results, glue_plan.handed if handed else ())
                 found = list(zip(source.frontier, results, strict=True))
             elif source.frontier:
                 # a block crosses as its windowed part made dense, windowed again from
@@ -248,25 +248,54 @@ class Sweeps(Traversal):
     def geometric_windows(self) -> bool:
         """Whether windowed sweeps keep every box by the layers' geometry alone.
 
-        True when every layer that passes spatial vectors on has a windowed rule and every
-        glue region is one ``torch.cat`` of layer outputs along channels or starts with a
-        node :mod:`.glue_windows` crosses on the boxes; elsewhere boxes are read from
-        values (exact, but with copies the memory bound does not count).
+        The sweep's own traversal on flags (whether a windowed block can arrive) finds
+        the places a block reaches: there every layer that passes spatial vectors on has
+        a windowed rule, and every glue region is one ``torch.cat`` of layer outputs
+        along channels or has a :mod:`.glue_windows` plan (crossed on the boxes, and
+        dense past a node without a windowed form). Elsewhere boxes are read from values
+        (exact, but with copies the memory bound does not count). Places only dense
+        vectors reach (after attention handed to autograd, say) do not matter.
         """
-        for call in self.calls:  # (outputs without spatial axes get no blocks)
-            if (
-                call.leaf is not None and not call.rule.windowed
-                and len(call.ctx.out_shape) > 2
-            ):  # fmt: skip
-                return False
-        for source in self._sources.values():
-            if source.direct or not (source.frontier or source.params):
-                continue
-            if not source.frontier or self.glue_plan(source) is not None:
-                continue  # (the parameters' products are counted dense)
-            if source.params or not self._is_channel_cat(source):
-                return False
-        return True
+        if self._geometric is None:
+            self._geometric = self._windows_by_geometry()
+        return self._geometric
+
+    def _windows_by_geometry(self) -> bool:
+        by_values: list[str] = []
+
+        class Flags(_Waiting):
+            """Flags meeting at a place: a block can arrive if it can on either path."""
+
+            def add(self, store, key, value, fresh=False):
+                store[key] = int(bool(store.get(key, 0)) or bool(value))
+
+        def layer(call: Call, windowed: int) -> int | None:
+            if call.leaf is None:
+                return None
+            if not windowed:
+                return 0
+            if not call.rule.windowed:
+                if len(call.ctx.out_shape) > 2:  # (no blocks without spatial axes)
+                    by_values.append(call.name)
+                return 0
+            return 1
+
+        def glue(source: _Source, windowed: int) -> list[tuple[GradientEdge, Any]]:
+            if not source.frontier:
+                return []
+            if not windowed:
+                return [(edge, 0) for edge in source.frontier]
+            if not source.params and self._is_channel_cat(source):
+                return [(edge, 1) for edge in source.frontier]
+            glue_plan = self.glue_plan(source)
+            if glue_plan is None:
+                by_values.append(str(source.key))
+                return [(edge, 1) for edge in source.frontier]
+            ends = glue_plan.windowed_ends
+            return [(edge, int(edge_key(edge) in ends)) for edge in source.frontier]
+
+        self._traverse(1, layer, glue, waiting=Flags())
+        return not by_values
 
     def _is_channel_cat(self, source: _Source) -> bool:
         target = source.target
@@ -289,16 +318,23 @@ class Sweeps(Traversal):
         """
         return self.windowed_sweeps > 0 and not self._by_values
 
-    def _window_ended(self, where: Call | _Source, results: list[Any]) -> None:
+    def _window_ended(
+        self, where: Call | _Source, results: list[Any], handed: Any = ()
+    ) -> None:
         """Remember where a block became dense maps (for the report).
 
         Vectors without spatial axes (a time embedding added to every position, a
         gate's per-channel scale) were never windowed: the maps beside them stay so.
+        ``handed``: the glue nodes without a windowed form the block crossed dense.
         """
         if any(
             r is not None and not isinstance(r, Windowed) and r.dim() > 3 for r in results
         ):
-            self.window_ends.setdefault(self._place(where), "the boxes fill the map")
+            why = "the boxes fill the map"
+            if handed:
+                names = ", ".join(dict.fromkeys(handed))
+                why = f"crossed dense by autograd at glue without a windowed form ({names})"
+            self.window_ends.setdefault(self._place(where), why)
 
     def _backprop_dense(self, call: Call, grads: Tensor) -> Tensor:
         n = grads.shape[1]

@@ -42,6 +42,7 @@ class Traversal:
     _seen: dict[tuple[str, int], int]
     _by_values: bool
     _glue_plans: dict[EdgeKey, Any]
+    _geometric: bool | None
     _warned: bool
 
     def glue_plan(self, source: _Source) -> GluePlan | None:

@@ -135,8 +135,9 @@ class FunctionalUNet(nn.Module):
     A scale and shift per sample and channel (from a Linear on the pooled input) on a
     GroupNorm's maps, ``F.silu``, a learned per-channel gain (a parameter in the
     glue), self-attention at the half-resolution bottleneck added to its input,
-    ``torch.tanh``, ``F.interpolate`` back up, a product of two maps, and ``cat`` with
-    the raw input (a part that needs no grad).
+    ``torch.tanh``, ``F.interpolate`` back up, a product of two maps, a quotient of two
+    maps (both needing grad), and ``cat`` with the raw input (a part that needs no
+    grad).
     """
 
     def __init__(self, channels: int = 2, width: int = 4):
@@ -161,14 +162,20 @@ class FunctionalUNet(nn.Module):
         b = b + att.transpose(1, 2).reshape(n, c, hh, ww)
         u = F.interpolate(torch.tanh(b), scale_factor=2, mode="nearest")
         d = F.gelu(self.dec(torch.cat([u, h], dim=1))) * torch.sigmoid(h)
+        d = d / (2 + torch.tanh(h))
         return self.head(torch.cat([d, x], dim=1))
 
 
 class FunctionalResizes(nn.Module):
-    """``F.interpolate`` between convolutions in four modes, crossed on the boxes."""
+    """``F.interpolate`` between convolutions in four modes, crossed on the boxes.
+
+    With diffusers' residual ``(x + h) / output_scale_factor`` (a division by a number)
+    and a division by a learned per-channel scale (a parameter in the glue).
+    """
 
     def __init__(self, channels: int = 2, width: int = 3):
         super().__init__()
+        self.scale = nn.Parameter(torch.linspace(1.0, 2.0, width).view(1, width, 1, 1))
         self.a = nn.Conv2d(channels, width, 3, stride=2, padding=1)
         self.b = nn.Conv2d(width, width, 3, padding=1)
         self.c = nn.Conv2d(width, channels, 3, padding=1)
@@ -176,8 +183,8 @@ class FunctionalResizes(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.a(x))  # 12 x 12
         h = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
-        h = F.silu(self.b(h)) - 0.5 * h
-        h = F.interpolate(h, size=(13, 17), mode="bicubic", align_corners=True)
+        h = (F.silu(self.b(h)) - 0.5 * h) / 1.5
+        h = F.interpolate(h / self.scale, size=(13, 17), mode="bicubic", align_corners=True)
         h = F.interpolate(h, size=(20, 22), mode="nearest")
         h = F.interpolate(h, size=(24, 24), mode="area")
         return self.c(h) * 2
@@ -274,6 +281,16 @@ MODELS = {
         nn.InstanceNorm2d(3, affine=True),
         nn.ReLU(),
         nn.Conv2d(3, 2, 1),
+    ),
+    # a LayerNorm over [C, H, W] (a rule without a windowed form) reached by blocks:
+    # its results are windowed again from their values
+    "layernorm-over-map": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.SiLU(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.LayerNorm([3, 10, 10]),
+        nn.Tanh(),
+        nn.Conv2d(3, 2, 3, padding=1),
     ),
     "attention-bottleneck": lambda: AttentionBottleneck(),
     "functional-unet": lambda: FunctionalUNet(),
@@ -611,6 +628,10 @@ def test_report_says_where_windows_ended(monkeypatch):
     _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
     assert report.windowed
     assert report.window_ends, "the attention mixes all positions: windows end there"
+    # the reshape of tokens into a map has no windowed form: the region is crossed
+    # dense, and the report names the node
+    (where, why), *_ = report.window_ends.items()
+    assert "model.up" in where and "without a windowed form" in why, report.window_ends
     assert "windowed=True" in repr(report)
     monkeypatch.setattr(_windows, "ENABLED", False)
     _, report = ggnchunk.diag_ggn(model, loss_func, x, targets, return_report=True)
@@ -839,15 +860,18 @@ def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
 
 @pytest.mark.parametrize(
     ("name", "windowed"),
-    [("tutorial-ae", True), ("attention-bottleneck", False), ("functional-unet", True)],
-)
+    [("tutorial-ae", True), ("layernorm-over-map", False),
+     ("attention-bottleneck", True), ("functional-unet", True)],
+)  # fmt: skip
 def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, monkeypatch):
     """Under a budget, value-read boxes mean dense passes from the first one.
 
-    Glue whose first node has no windowed form (the attention bottleneck's reshape of
-    tokens into a map) reads boxes from values, with copies the memory bound does not
-    count; glue of pointwise maps, broadcast sums and products, cats and resizes
-    (``functional-unet``, attention inside it) keeps boxes of known sizes.
+    A layer without a windowed form reached by blocks (a LayerNorm over the map) has
+    its results windowed again from their values, with copies the memory bound does
+    not count; glue of pointwise maps, broadcast sums and products, cats and resizes
+    (``functional-unet``, attention inside it) keeps boxes of known sizes, and glue
+    whose first node has no windowed form (the attention bottleneck's reshape of
+    tokens into a map) is crossed dense: no boxes after it at all.
     """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
