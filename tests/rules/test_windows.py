@@ -166,6 +166,60 @@ class FunctionalUNet(nn.Module):
         return self.head(torch.cat([d, x], dim=1))
 
 
+class DiffusersStyle(nn.Module):
+    """diffusers' ``ResnetBlock2D`` and ``Attention`` (``AttnProcessor2_0``), as written.
+
+    The residual sums divided by ``output_scale_factor`` / ``rescale_output_factor``;
+    the attention views the map as tokens (``view`` then ``transpose``), normalizes them
+    with a GroupNorm over the transposed tokens, projects them with Linears, splits heads
+    for ``F.scaled_dot_product_attention`` and reshapes back; nearest ``F.interpolate``
+    up, as ``Upsample2D``. The region after the attention starts with a node without a
+    windowed form: crossed dense, so under a budget the rest stays windowed.
+    """
+
+    def __init__(self, channels: int = 2, width: int = 4, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.conv_in = nn.Conv2d(channels, width, 3, padding=1)
+        self.norm1, self.conv1 = (
+            nn.GroupNorm(2, width),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+        self.norm2, self.conv2 = (
+            nn.GroupNorm(2, width),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.group_norm = nn.GroupNorm(2, width)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(width, width) for _ in range(3))
+        self.to_out = nn.Linear(width, width)
+        self.conv_out = nn.Conv2d(width, channels, 3, padding=1)
+
+    def resnet(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (x + h) / 2.0  # output_scale_factor
+
+    def attention(self, hidden):
+        residual = hidden
+        b, c, hh, ww = hidden.shape
+        hidden = hidden.view(b, c, hh * ww).transpose(1, 2)
+        hidden = self.group_norm(hidden.transpose(1, 2)).transpose(1, 2)
+        q, k, v = (f(hidden) for f in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (t.view(b, -1, self.heads, c // self.heads).transpose(1, 2)
+                   for t in (q, k, v))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v)
+        out = self.to_out(out.transpose(1, 2).reshape(b, -1, c))
+        out = out.transpose(-1, -2).reshape(b, c, hh, ww)
+        return (out + residual) / 1.5  # rescale_output_factor
+
+    def forward(self, x):
+        h = self.resnet(self.conv_in(x))
+        a = self.attention(self.down(h))
+        u = F.interpolate(a, scale_factor=2.0, mode="nearest")
+        return self.conv_out(F.silu(self.resnet(u + h)))
+
+
 class FunctionalResizes(nn.Module):
     """``F.interpolate`` between convolutions in four modes, crossed on the boxes.
 
@@ -295,6 +349,7 @@ MODELS = {
     "attention-bottleneck": lambda: AttentionBottleneck(),
     "functional-unet": lambda: FunctionalUNet(),
     "functional-resizes": lambda: FunctionalResizes(),
+    "diffusers-style": lambda: DiffusersStyle(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -670,12 +725,15 @@ def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch
     assert_diag_close(got, expected, rtol=1e-9, label="time embedding added")
 
 
-@pytest.mark.parametrize("name", ["functional-resizes", "functional-unet"])
+@pytest.mark.parametrize(
+    "name", ["functional-resizes", "functional-unet", "diffusers-style"]
+)
 def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
-    """Pointwise maps, broadcast sums and products, cats and resizes keep the boxes.
+    """Pointwise maps, sums, products, quotients, cats and resizes keep the boxes.
 
-    Nothing is windowed from values; the attention inside ``functional-unet``'s glue
-    is crossed dense, by autograd. The results are exact either way (the table above).
+    Nothing is windowed from values; the attention inside ``functional-unet``'s and
+    ``diffusers-style``'s glue is crossed dense, by autograd. The results are exact
+    either way (the table above).
     """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
@@ -695,7 +753,7 @@ def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
     model, loss_func, x, targets = _problem(name, "mse")
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2)
     assert crossed, "no glue region was crossed on the boxes"
-    assert any(crossed) is (name == "functional-unet")
+    assert any(crossed) is (name != "functional-resizes")
     assert not by_values, "a region was crossed dense and windowed from values"
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
@@ -861,7 +919,8 @@ def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
 @pytest.mark.parametrize(
     ("name", "windowed"),
     [("tutorial-ae", True), ("layernorm-over-map", False),
-     ("attention-bottleneck", True), ("functional-unet", True)],
+     ("attention-bottleneck", True), ("functional-unet", True),
+     ("diffusers-style", True)],
 )  # fmt: skip
 def test_budgets_window_only_where_boxes_follow_the_geometry(name, windowed, monkeypatch):
     """Under a budget, value-read boxes mean dense passes from the first one.
