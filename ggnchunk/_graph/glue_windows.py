@@ -18,6 +18,9 @@ known geometry on its boxes (:func:`cross`):
   alike (``(x + h) / scale``: the block over the divisor; a recorded divisor that
   needs grad gets the block times ``-x / scale**2``);
 - ``torch.cat`` along channels: channel slices, same boxes;
+- ``F.pad`` with zeros and slices of positions (``h[..., :H, :W]``, a classic U-Net's
+  crops): the boxes shifted to the input's positions; slices, ``chunk`` and ``split``
+  of channels: zeros for the channels a part left out (the parts' blocks summed);
 - resizes folded by :mod:`ggnchunk._resample`: each spatial axis's matrix restricted to
   the box's rows and the input rows they reach (one box size for all columns).
 
@@ -79,8 +82,9 @@ class GluePlan:
         start: The region's first node and output number.
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
-        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" |
-            "resample" | "hand"`` (``"hand"``: handed to autograd, dense).
+        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" | "pad" |
+            "slice" | "split" | "resample" | "hand"`` (``"hand"``: handed to
+            autograd, dense).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).
@@ -206,9 +210,17 @@ def _action(n: Node) -> str | None:
     """What a node does with a spatial block, or ``None`` (handed to autograd)."""
     name = n.name()
     shape = grad_shape(n, 0)
+    nexts = n.next_functions
+    if name in ("SplitBackward0", "SplitWithSizesBackward0"):  # torch.chunk, split
+        sizes = saved_value(n, "self_sym_sizes")
+        ok = (
+            shape is not None and len(shape) >= 3 and sizes is not None
+            and saved_value(n, "dim") % len(sizes) == 1
+            and len(nexts) == 1 and nexts[0][0] is not None
+        )  # fmt: skip
+        return "split" if ok else None
     if shape is None or len(shape) < 3 or output_count(n) != 1:
         return None
-    nexts = n.next_functions
     if name in POINTWISE:
         if len(nexts) != 1 or nexts[0][0] is None:
             return None
@@ -227,6 +239,16 @@ def _action(n: Node) -> str | None:
         # a part that needs no grad has no node to say its width: one such part's is
         # what the others leave
         return "cat" if sum(m is None for m, _ in nexts) <= 1 else None
+    if name == "ConstantPadNdBackward0":
+        pads = saved_value(n, "pad")
+        if pads is None or len(pads) % 2 or len(pads) // 2 > len(shape) - 2:
+            return None  # a padded channel or batch axis
+        return "pad"
+    if name == "SliceBackward0":
+        dim, step = saved_value(n, "dim"), saved_value(n, "step")
+        if dim is None or step != 1 or len(nexts) != 1 or nexts[0][0] is None:
+            return None
+        return "slice" if dim % len(shape) >= 1 else None
     if name == RESAMPLE:
         matrices = getattr(n, "matrices", None)  # the folded resize's own attribute
         if matrices is None or len(matrices) != len(shape) - 2:
@@ -276,6 +298,12 @@ def cross(
             continue
         act = p.action[k]
         value = mine[0][1]
+        if act == "split":  # every output's block, each on its channels
+            if all(isinstance(v, Windowed) for _, v in mine):
+                m, nr = n.next_functions[0]
+                send(m, nr, _split(n, mine))
+                continue
+            act = "hand"
         if act != "hand" and (len(mine) != 1 or mine[0][0] != 0 or
                               not isinstance(value, Windowed)):  # fmt: skip
             act = "hand"
@@ -353,10 +381,70 @@ def _step(
             offset += width
         if offset != block.data.shape[2] or rest < 0:
             raise RuntimeError("ggnchunk: a cat's sizes do not add up (internal error)")
+    elif act == "pad":
+        m, nr = nexts[0]
+        pads = [_signed(p) for p in saved_value(n, "pad")]
+        dims = len(block.size)
+        lows = [pads[2 * (dims - 1 - i)] if 2 * (dims - 1 - i) < len(pads) else 0
+                for i in range(dims)]  # fmt: skip
+        start = block.start - torch.tensor(lows, device=block.start.device)
+        out.append((m, nr, _moved(block, start, tuple(grad_shape(m, nr)[2:]))))
+    elif act == "slice":
+        m, nr = nexts[0]
+        sizes = tuple(saved_value(n, "self_sym_sizes"))
+        dim = saved_value(n, "dim") % len(sizes)
+        first = _signed(saved_value(n, "start"))
+        first = min(max(first + sizes[dim] if first < 0 else first, 0), sizes[dim])
+        if dim == 1:  # channels: zeros for those the slice left out
+            out.append((m, nr, block.with_data(_channels_at(block.data, first, sizes[1]))))
+        else:
+            start = block.start.clone()
+            start[:, dim - 2] += first
+            out.append((m, nr, _moved(block, start, sizes[2:])))
     elif act == "resample":
         m, nr = nexts[0]
         out.append((m, nr, _resampled(block, n.matrices, grad_shape(m, nr))))
     return out
+
+
+def _split(n: Node, blocks: list[tuple[int, Windowed]]) -> Any:
+    """Blocks at a channel split's outputs as one block of its input (channels placed)."""
+    channels = saved_value(n, "self_sym_sizes")[1]
+    sizes = saved_value(n, "split_sizes")
+    if sizes is None:  # torch.chunk: equal parts, the last one shorter
+        each = saved_value(n, "split_size")
+        sizes = [min(each, channels - i) for i in range(0, channels, each)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = None
+    for nr, block in blocks:
+        placed = block.with_data(_channels_at(block.data, offsets[nr], channels))
+        total = placed if total is None else add_vectors(total, placed)
+    return total
+
+
+def _channels_at(data: Tensor, first: int, channels: int) -> Tensor:
+    """``[V, N, c, *box]`` placed at channels ``first : first + c`` of ``channels``."""
+    after = channels - first - data.shape[2]
+    if first == 0 and after == 0:
+        return data
+    shape = data.shape
+    return torch.cat([data.new_zeros(*shape[:2], first, *shape[3:]), data,
+                      data.new_zeros(*shape[:2], after, *shape[3:])], 2)  # fmt: skip
+
+
+def _signed(value: int) -> int:
+    """A saved integer as autograd stores it (negatives wrap around 2**64)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _moved(block: Windowed, start: Tensor, size: tuple[int, ...]) -> Any:
+    """The block's boxes at new starts in a map of a new size (a pad's or slice's input).
+
+    Entries outside the old map are zero already; those outside the new one are set so.
+    """
+    inside = valid(start, block.box, size)
+    data = block.data if bool(inside.all()) else torch.where(inside, block.data, 0)
+    return end_of(Windowed(data, start, tuple(size)), MAX_FILL)
 
 
 def _times(block: Windowed, factor: Any, divide: bool = False) -> Any:

@@ -220,6 +220,31 @@ class DiffusersStyle(nn.Module):
         return self.conv_out(F.silu(self.resnet(u + h)))
 
 
+class PadsAndCrops(nn.Module):
+    """A classic U-Net's size matching in its glue, crossed on the boxes.
+
+    ``F.pad`` of the upsampled map to the skip's size before ``cat`` (uneven sides),
+    a gate on the halves of ``chunk``, a slice of channels, a crop by slicing
+    (``[:, :, 1:, :-1]``) and an ``F.pad`` whose negative side crops a row.
+    """
+
+    def __init__(self, channels: int = 2, width: int = 4):
+        super().__init__()
+        self.a = nn.Conv2d(channels, width, 3, padding=1)
+        self.down = nn.Conv2d(width, width, 3, stride=2)  # 10 -> 4
+        self.up = nn.ConvTranspose2d(width, width, 2, stride=2)  # 4 -> 8
+        self.b = nn.Conv2d(2 * width, width, 3, padding=1)
+        self.c = nn.Conv2d(2, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = self.a(x)
+        u = F.pad(self.up(F.silu(self.down(h))), [1, 1, 2, 0])  # 8 x 8 -> 10 x 10
+        t = self.b(torch.cat([u, h], dim=1))
+        p, q = t.chunk(2, dim=1)  # a gate, as GLU-style blocks split channels
+        g = torch.tanh(p) * torch.sigmoid(q) + t[:, 1:3]
+        return self.c(F.pad(g[:, :, 1:, :-1], [0, 1, -1, 2]))
+
+
 class FunctionalResizes(nn.Module):
     """``F.interpolate`` between convolutions in four modes, crossed on the boxes.
 
@@ -350,6 +375,7 @@ MODELS = {
     "functional-unet": lambda: FunctionalUNet(),
     "functional-resizes": lambda: FunctionalResizes(),
     "diffusers-style": lambda: DiffusersStyle(),
+    "pads-and-crops": lambda: PadsAndCrops(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -753,7 +779,7 @@ def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
     model, loss_func, x, targets = _problem(name, "mse")
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2)
     assert crossed, "no glue region was crossed on the boxes"
-    assert any(crossed) is (name != "functional-resizes")
+    assert any(crossed) is (name in ("functional-unet", "diffusers-style"))
     assert not by_values, "a region was crossed dense and windowed from values"
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
 
