@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import random
 import weakref
 
 import pytest
@@ -1438,3 +1439,126 @@ def test_glue_results_sharing_memory_are_not_handed_over_fresh():
     ]
     for results, want in cases:
         assert _unshared(results) == want
+
+
+# the layers near the output (norms and small classifiers: the brute force's Jacobians
+# of every output pixel stay small), reached through the frozen ones between
+SEGMENTER_TRAINABLE = {
+    "lraspp_mobilenet_v3_large": ("model.classifier.cbr.1.", "model.classifier.low_",
+                                  "model.classifier.high_"),
+    "deeplabv3_mobilenet_v3_large": ("model.classifier.0.project.1.",
+                                     "model.classifier.2.", "model.classifier.4."),
+}  # fmt: skip
+
+
+@functools.cache
+def _segmenter(name: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    """A segmenter of torchvision's (3 classes, 2 images 3×16×16), its head trainable."""
+    import torchvision
+
+    from tests.real_models import _randomize_norms
+    from tests.rules.test_frozen_attention import Out
+
+    torch.manual_seed(0)
+    kwargs = {"aux_loss": False} if name.startswith("deeplab") else {}
+    net = getattr(torchvision.models.segmentation, name)(
+        weights=None, weights_backbone=None, num_classes=3, **kwargs
+    )
+    model = Out(_randomize_norms(net).double().eval())
+    for key, param in model.named_parameters():
+        param.requires_grad_(key.startswith(SEGMENTER_TRAINABLE[name]))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), x, torch.randint(0, 3, (2, 16, 16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SEGMENTER_TRAINABLE))
+@pytest.mark.parametrize(
+    "kwargs", [{"num_chunks": 3}, {"max_memory": "512MiB"}], ids=["chunks", "budget"]
+)
+def test_torchvision_segmenters_windowed(name, kwargs, windows_everywhere):
+    """Models nobody here wrote, windowed: their heads' glue crossed on the boxes.
+
+    A sigmoid gate, sums of two classifiers and bilinear resizes to the input.
+    """
+    model, loss_func, x, y = _segmenter(name)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, expected, rtol=1e-9, label=f"{name} {kwargs}")
+
+
+GLUE_OPS = {
+    "silu": F.silu,
+    "pad": lambda h: F.pad(h, [1, 0, 2, 1]),
+    "crop-by-pad": lambda h: F.pad(h, [-1, 1, 1, -1]),
+    "slice": lambda h: h[:, :, 1:, :-1],
+    "crop": lambda h: h[..., 1:-1, 1:-1],
+    "gate": lambda h: h.chunk(2, dim=1)[0] * torch.sigmoid(h.chunk(2, dim=1)[1]),
+    "drop-channel": lambda h: h[:, 1:],
+    "div": lambda h: (h + 1.0) / 1.7,
+    "div-map": lambda h: h / (2 + torch.tanh(h)),
+    "mul-pooled": lambda h: h * h.mean((2, 3), keepdim=True),
+    "add-pooled": lambda h: h + h[:, :1].mean((2, 3), keepdim=True),
+    "up": lambda h: F.interpolate(h, scale_factor=2, mode="nearest"),
+    "down": lambda h: F.avg_pool2d(h, 2) if min(h.shape[-2:]) >= 4 else h,
+    "tanh-times": lambda h: torch.tanh(h) * h,
+    "rsub": lambda h: 0.5 - h,
+}
+
+
+class RandomGlue(nn.Module):
+    """Convolutions with random functional glue between them (a seed picks it).
+
+    Each convolution is followed by one to three of :data:`GLUE_OPS` and, where the
+    channels allow, a division by a learned per-channel scale; a bilinear resize back
+    to the input's size at the end.
+    """
+
+    def __init__(self, seed: int, depth: int = 4, width: int = 4):
+        super().__init__()
+        rng = random.Random(seed)
+        names = sorted(GLUE_OPS)
+        self.convs, self.ops, channels = nn.ModuleList(), [], 2
+        for _ in range(depth):
+            self.convs.append(nn.Conv2d(channels, width, 3, padding=1))
+            channels, ops = width, []
+            for op in rng.sample(names, rng.randint(1, 3)):
+                if op == "gate" and channels % 2 == 0:
+                    channels //= 2
+                elif op == "drop-channel" and channels > 1:
+                    channels -= 1
+                elif op in ("gate", "drop-channel"):
+                    continue
+                ops.append(op)
+            self.ops.append(ops)
+        self.scale = nn.Parameter(torch.rand(1, width, 1, 1) + 0.5)
+        self.head = nn.Conv2d(channels, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = x
+        for layer, ops in zip(self.convs, self.ops, strict=True):
+            h = layer(h)
+            for op in ops:
+                h = GLUE_OPS[op](h)
+            if h.shape[1] == self.scale.shape[1]:
+                h = h / self.scale
+        return F.interpolate(self.head(h), size=x.shape[-2:], mode="bilinear")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_functional_glue(seed, windows_everywhere):
+    """Random chains of pads, crops, gates, quotients and resizes: the brute force.
+
+    Windowed passes (chunks and a budget) through the glue of :class:`RandomGlue`.
+    """
+    torch.manual_seed(seed)
+    model = RandomGlue(seed).double()
+    x = torch.randn(2, 2, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        targets = torch.randn_like(model(x))
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    for kwargs in ({"num_chunks": 3}, {"max_memory": "256MiB"}):
+        got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
+        assert_diag_close(got, expected, rtol=1e-9, label=f"{model.ops} {kwargs}")
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
