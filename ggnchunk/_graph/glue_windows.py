@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ggnchunk._autograd import (
@@ -83,7 +84,7 @@ class GluePlan:
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" | "pad" |
-            "slice" | "split" | "resample" | "hand"`` (``"hand"``: handed to
+            "slice" | "split" | "shuffle" | "resample" | "hand"`` (``"hand"``: handed to
             autograd, dense).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
@@ -249,6 +250,8 @@ def _action(n: Node) -> str | None:
         if dim is None or step != 1 or len(nexts) != 1 or nexts[0][0] is None:
             return None
         return "slice" if dim % len(shape) >= 1 else None
+    if name in ("PixelShuffleBackward0", "PixelUnshuffleBackward0"):
+        return "shuffle" if len(shape) == 4 and len(nexts) == 1 else None
     if name == RESAMPLE:
         matrices = getattr(n, "matrices", None)  # the folded resize's own attribute
         if matrices is None or len(matrices) != len(shape) - 2:
@@ -401,6 +404,9 @@ def _step(
             start = block.start.clone()
             start[:, dim - 2] += first
             out.append((m, nr, _moved(block, start, sizes[2:])))
+    elif act == "shuffle":
+        m, nr = nexts[0]
+        out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "resample":
         m, nr = nexts[0]
         out.append((m, nr, _resampled(block, n.matrices, grad_shape(m, nr))))
@@ -430,6 +436,25 @@ def _channels_at(data: Tensor, first: int, channels: int) -> Tensor:
     shape = data.shape
     return torch.cat([data.new_zeros(*shape[:2], first, *shape[3:]), data,
                       data.new_zeros(*shape[:2], after, *shape[3:])], 2)  # fmt: skip
+
+
+def _shuffled(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:
+    """A block through ``F.pixel_shuffle``'s backward (or ``pixel_unshuffle``'s).
+
+    ``pixel_shuffle`` by ``r``: each box is widened to whole ``r × r`` cells (the widest
+    any alignment needs, ``(b + r - 2) // r + 1`` cells for ``b`` positions), then
+    unshuffled onto the input's grid. ``pixel_unshuffle``: the box's cells shuffled back.
+    """
+    if n.name() == "PixelUnshuffleBackward0":
+        r = saved_value(n, "downscale_factor")
+        data = F.pixel_shuffle(block.data, r)
+        return end_of(Windowed(data, block.start * r, size), MAX_FILL)
+    r = saved_value(n, "upscale_factor")
+    cells = torch.div(block.start, r, rounding_mode="floor")
+    box = tuple((b + r - 2) // r + 1 for b in block.box)
+    wide = block.rebox(cells * r, tuple(c * r for c in box))
+    data = F.pixel_unshuffle(wide.data, r)
+    return end_of(Windowed(data, cells, size), MAX_FILL)
 
 
 def _signed(value: int) -> int:

@@ -246,6 +246,17 @@ class PadsAndCrops(nn.Module):
         return self.c(F.pad(g[:, :, 1:, :-1], [0, 1, -1, 2]))
 
 
+class PixelShuffled(nn.Module):
+    """``F.pixel_shuffle`` called as a function (a super-resolution head)."""
+
+    def __init__(self, factor: int):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return F.pixel_shuffle(x, self.factor)
+
+
 class FunctionalResizes(nn.Module):
     """``F.interpolate`` between convolutions in four modes, crossed on the boxes.
 
@@ -377,6 +388,18 @@ MODELS = {
     "functional-resizes": lambda: FunctionalResizes(),
     "diffusers-style": lambda: DiffusersStyle(),
     "pads-and-crops": lambda: PadsAndCrops(),
+    # super-resolution style: space to depth and back (a module and the function)
+    "pixel-shuffle": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.PixelUnshuffle(2),
+        nn.Conv2d(12, 8, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.PixelShuffle(2),
+        nn.Conv2d(2, 8, 3, padding=1),
+        PixelShuffled(2),
+        nn.Conv2d(2, 2, 3, stride=2, padding=1),
+    ),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -401,6 +424,7 @@ SHAPES = {
     "convT-dilation-stride3": (2, 11, 11),
     "residual-groupnorm": (2, 20, 20),
     "functional-resizes": (2, 24, 24),
+    "pixel-shuffle": (2, 12, 12),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
