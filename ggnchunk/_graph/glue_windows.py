@@ -73,6 +73,10 @@ POINTWISE = frozenset({
 """Nodes whose backward multiplies by a map of the same shape (a diagonal Jacobian)."""
 
 RESAMPLE = "_FoldedResampleBackward"
+_FOLDING_PADS = frozenset(
+    f"{kind}Pad{d}DBackward0" for kind in ("Reflection", "Replication") for d in (1, 2, 3)
+)
+"""Reflection and replication padding (``nn.ReflectionPad2d``, ``F.pad(mode=...)``)."""
 
 
 @dataclass
@@ -84,8 +88,8 @@ class GluePlan:
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" | "pad" |
-            "slice" | "split" | "shuffle" | "resample" | "hand"`` (``"hand"``: handed to
-            autograd, dense).
+            "slice" | "split" | "fold-pad" | "shuffle" | "resample" | "hand"``
+            (``"hand"``: handed to autograd, dense).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).
@@ -250,6 +254,10 @@ def _action(n: Node) -> str | None:
         if dim is None or step != 1 or len(nexts) != 1 or nexts[0][0] is None:
             return None
         return "slice" if dim % len(shape) >= 1 else None
+    if name in _FOLDING_PADS:
+        pads = saved_value(n, "padding")
+        ok = pads is not None and len(pads) == 2 * (len(shape) - 2) and len(nexts) == 1
+        return "fold-pad" if ok else None
     if name in ("PixelShuffleBackward0", "PixelUnshuffleBackward0"):
         return "shuffle" if len(shape) == 4 and len(nexts) == 1 else None
     if name == RESAMPLE:
@@ -404,6 +412,9 @@ def _step(
             start = block.start.clone()
             start[:, dim - 2] += first
             out.append((m, nr, _moved(block, start, sizes[2:])))
+    elif act == "fold-pad":
+        m, nr = nexts[0]
+        out.append((m, nr, _folded_pad(n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "shuffle":
         m, nr = nexts[0]
         out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))
@@ -436,6 +447,43 @@ def _channels_at(data: Tensor, first: int, channels: int) -> Tensor:
     shape = data.shape
     return torch.cat([data.new_zeros(*shape[:2], first, *shape[3:]), data,
                       data.new_zeros(*shape[:2], after, *shape[3:])], 2)  # fmt: skip
+
+
+def _folded_pad(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:
+    """A block through reflection or replication padding's backward.
+
+    Per axis, padded position ``q`` reads input position ``f(q)`` (reflected, or clamped
+    into the map): a box of ``b`` positions reads an interval of at most ``b`` input
+    positions, starting at the smallest ``f(q)``. The block is summed onto it along the
+    axis (positions reflected onto one another add up).
+    """
+    reflect = n.name().startswith("Reflection")
+    pads = saved_value(n, "padding")  # last axis first, (left, right) per axis
+    dims = len(size)
+    data, starts = block.data, []
+    for axis in range(dims):
+        left, length, b = pads[2 * (dims - 1 - axis)], size[axis], block.box[axis]
+        right = pads[2 * (dims - 1 - axis) + 1]
+        s = block.start[:, axis]
+        q = s[:, None] + torch.arange(b, device=s.device) - left  # [V, b], input coords
+        # a box's entries outside the padded map are zero: read as its edge's
+        q = q.clamp(-left, length - 1 + right)
+        if reflect:
+            period = max(2 * (length - 1), 1)
+            q = torch.remainder(q, period)
+            source = torch.where(q >= length, period - q, q)
+        else:
+            source = q.clamp(0, length - 1)
+        first = source.min(1).values  # [V]
+        index = source - first[:, None]  # [V, b], in [0, b)
+        moved = data.movedim(3 + axis, -1)  # [V, N, C, ..., b]
+        shape = [moved.shape[0]] + [1] * (moved.dim() - 2) + [b]
+        folded = torch.zeros_like(moved).scatter_add_(
+            -1, index.view(shape).expand(moved.shape).contiguous(), moved.contiguous()
+        )
+        data = folded.movedim(-1, 3 + axis)
+        starts.append(first)
+    return end_of(Windowed(data, torch.stack(starts, 1), size), MAX_FILL)
 
 
 def _shuffled(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:

@@ -246,6 +246,17 @@ class PadsAndCrops(nn.Module):
         return self.c(F.pad(g[:, :, 1:, :-1], [0, 1, -1, 2]))
 
 
+class Padded(nn.Module):
+    """``F.pad`` in a non-constant mode, called as a function."""
+
+    def __init__(self, pads: tuple[int, ...], mode: str):
+        super().__init__()
+        self.pads, self.mode = pads, mode
+
+    def forward(self, x):
+        return F.pad(x, self.pads, mode=self.mode)
+
+
 class PixelShuffled(nn.Module):
     """``F.pixel_shuffle`` called as a function (a super-resolution head)."""
 
@@ -388,6 +399,20 @@ MODELS = {
     "functional-resizes": lambda: FunctionalResizes(),
     "diffusers-style": lambda: DiffusersStyle(),
     "pads-and-crops": lambda: PadsAndCrops(),
+    # CycleGAN's ResnetGenerator: reflection padding modules before unpadded
+    # convolutions; replication padding as a function
+    "reflection-pads": lambda: nn.Sequential(
+        nn.ReflectionPad2d(3),
+        nn.Conv2d(2, 4, 7),
+        nn.ReLU(),
+        nn.ReflectionPad2d((1, 2, 2, 1)),
+        nn.Conv2d(4, 4, 3, stride=2),
+        Padded((1, 0, 0, 1), "replicate"),
+        nn.Tanh(),
+        nn.ConvTranspose2d(4, 4, 3, stride=2, padding=3, output_padding=1),
+        nn.ReflectionPad2d(1),
+        nn.Conv2d(4, 2, 3),
+    ),
     # super-resolution style: space to depth and back (a module and the function)
     "pixel-shuffle": lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1),
@@ -425,6 +450,7 @@ SHAPES = {
     "residual-groupnorm": (2, 20, 20),
     "functional-resizes": (2, 24, 24),
     "pixel-shuffle": (2, 12, 12),
+    "reflection-pads": (2, 12, 12),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
@@ -1528,6 +1554,11 @@ GLUE_OPS = {
     "down": lambda h: F.avg_pool2d(h, 2) if min(h.shape[-2:]) >= 4 else h,
     "tanh-times": lambda h: torch.tanh(h) * h,
     "rsub": lambda h: 0.5 - h,
+    "reflect": lambda h: F.pad(h, [1, 2, 2, 1], mode="reflect"),
+    "replicate": lambda h: F.pad(h, [0, 1, 1, 0], mode="replicate"),
+    "shuffle": lambda h: (
+        F.pixel_shuffle(F.pixel_unshuffle(h, 2), 2) if min(h.shape[-2:]) % 2 == 0 else h
+    ),
 }
 
 
