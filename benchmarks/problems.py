@@ -403,11 +403,27 @@ def time_unet_32(scale: int = 1) -> Problem:
     return TimeAttentionUNet(width=8, tdim=16), nn.MSELoss(), (x, t), x
 
 
+def sr_espcn(scale: int = 1) -> Problem:
+    """ESPCN super-resolution (Shi et al., 2016), ×2: 4 images 3×32×32 to 3×64×64, MSE.
+
+    Convolutions 5×5 (64 channels), 3×3 (32), 3×3 (12), tanh between, then
+    ``nn.PixelShuffle(2)``: the glue that starts at the model output (issue 19's
+    windows cross it on the boxes).
+    """
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 5, padding=2), nn.Tanh(), nn.Conv2d(64, 32, 3, padding=1),
+        nn.Tanh(), nn.Conv2d(32, 12, 3, padding=1), nn.PixelShuffle(2),
+    )  # fmt: skip
+    x = torch.rand(4 * scale, 3, 32, 32)
+    return model, nn.MSELoss(), x, torch.rand(4 * scale, 3, 64, 64)
+
+
 PROBLEMS.update(
     tutorial_conv_ae_n64=tutorial_conv_ae_n64,
     unet_64=unet_64,
     time_unet_64=time_unet_64,
     time_unet_32=time_unet_32,
+    sr_espcn=sr_espcn,
 )
 GPU_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64")
 """Rows added to :data:`DEFAULT_PROBLEMS` on CUDA."""

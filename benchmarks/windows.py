@@ -34,6 +34,7 @@ PROBLEMS = {
     "unet_32": ("300MiB", 16, "U-Net 4×3×32×32, width 16", 2.0),
     "unet_64": ("1GiB", 128, "U-Net 2×3×64×64, width 16", 5.0),
     "time_unet_64": ("2GiB", 128, "time-conditioned U-Net 2×3×64×64 with attention", 5.0),
+    "sr_espcn": ("256MiB", 16, "ESPCN ×2 super-resolution 4×3×32×32 → 64×64", None),
 }
 ROUNDS = {
     "unet_64": 1,
