@@ -75,6 +75,8 @@ class MemoryBound(Traversal):
                 if glue_plan is not None or source.params:
                     added = sum(v for _, v in outs)
                     buffers = 2 * (size + added)  # the nodes' results on the boxes
+                    if glue_plan is not None:  # max poolings' index maps
+                        buffers += -(-glue_plan.index_bytes // element)
                     if glue_plan is None or glue_plan.handoffs:  # dense from a node on
                         buffers += 2 * (source.numel + sum(c.out_numel for c in ends))
                         buffers += -(-source.workspace // n)

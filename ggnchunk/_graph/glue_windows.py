@@ -52,6 +52,7 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
+from ggnchunk._rules.folded import _avg_pool_windowed, _max_pool_windowed, _tiles
 from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather, valid
 from ggnchunk._windows import add as add_vectors
 
@@ -88,7 +89,8 @@ class GluePlan:
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" | "pad" |
-            "slice" | "split" | "fold-pad" | "shuffle" | "resample" | "hand"``
+            "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "resample" |
+            "hand"``
             (``"hand"``: handed to autograd, dense).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
@@ -96,6 +98,8 @@ class GluePlan:
         handed: The names of the nodes a spatial block is handed to autograd at.
         windowed_ends: The frontier edges a windowed block can reach (the others get
             dense vectors, or vectors without spatial axes, whatever the values).
+        index_bytes: Bytes per column and sample of the index maps the region's max
+            poolings make (two int64 maps of the pooled map's size, at most).
     """
 
     start: tuple[Node, int]
@@ -105,6 +109,7 @@ class GluePlan:
     frontier: list[EdgeKey]
     handoffs: bool = False
     handed: list[str] = field(default_factory=list)
+    index_bytes: int = 0
     windowed_ends: set[EdgeKey] = field(default_factory=set)
 
 
@@ -195,6 +200,8 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
                 out.handed.append(n.name())
             continue
         shape = grad_shape(n, 0)
+        if act == "pool" and n.name().startswith("MaxPool"):
+            out.index_bytes += 2 * 8 * math.prod(shape[1:])
         for m, nr in n.next_functions:
             if m is None or (id(m) not in region and (id(m), int(nr)) not in end_set):
                 continue
@@ -258,6 +265,14 @@ def _action(n: Node) -> str | None:
         pads = saved_value(n, "padding")
         ok = pads is not None and len(pads) == 2 * (len(shape) - 2) and len(nexts) == 1
         return "fold-pad" if ok else None
+    if name in ("MaxPool2DWithIndicesBackward0", "AvgPool2DBackward0"):
+        # functional pooling: the pooling layers' windowed maps (2d; average pooling
+        # whose windows tile the input)
+        if len(shape) != 4 or len(nexts) != 1:
+            return None
+        if name == "AvgPool2DBackward0" and _tiles(n) is None:
+            return None
+        return "pool"
     if name in ("PixelShuffleBackward0", "PixelUnshuffleBackward0"):
         return "shuffle" if len(shape) == 4 and len(nexts) == 1 else None
     if name == RESAMPLE:
@@ -415,6 +430,14 @@ def _step(
     elif act == "fold-pad":
         m, nr = nexts[0]
         out.append((m, nr, _folded_pad(n, block, tuple(grad_shape(m, nr)[2:]))))
+    elif act == "pool":
+        m, nr = nexts[0]
+        size = tuple(grad_shape(m, nr)[2:])
+        pooled = (
+            _max_pool_windowed(n, block, size) if n.name().startswith("MaxPool")
+            else _avg_pool_windowed(n, block, size)
+        )  # fmt: skip
+        out.append((m, nr, pooled))
     elif act == "shuffle":
         m, nr = nexts[0]
         out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))

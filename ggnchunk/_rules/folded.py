@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule
-from ggnchunk._windows import Windowed, end_of, valid
+from ggnchunk._windows import Windowed, end_of, gather, valid
 
 __all__ = ["FoldedRule"]
 
@@ -113,6 +113,47 @@ def _avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any
     return end_of(Windowed(spread, start, size))
 
 
+def _max_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
+    """Max pooling: each output's vectors go to its recorded argmax, inside the box.
+
+    Output rows ``[s, s + b)`` read input rows from ``s * stride - padding`` to
+    ``(s + b - 1) * stride - padding + dilation * (kernel - 1)``: one box size for every
+    column. The argmax of each box entry (from the recorded indices, gathered on the
+    boxes) becomes a position in the input box, where the vectors are added.
+    """
+    kernel, stride = tuple(node._saved_kernel_size), tuple(node._saved_stride)
+    stride = stride or kernel
+    padding, dilation = tuple(node._saved_padding), tuple(node._saved_dilation)
+    if len(kernel) != 2 or len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
+        return None
+    data = block.data
+    v, n, c = data.shape[:3]
+    device = block.start.device
+    step = torch.tensor(stride, device=device)
+    start = block.start * step - torch.tensor(padding, device=device)
+    box = tuple(
+        (b - 1) * s + d * (k - 1) + 1
+        for b, s, d, k in zip(block.box, stride, dilation, kernel, strict=True)
+    )
+    indices = node._saved_result1  # [N, C, h, w]: flat positions in each input plane
+    # two index maps of the box's size at most (counted in :meth:`column_bytes`)
+    picked = gather(indices, block.start, block.box, block.size)  # [V, N, C, *box]
+    first = start.view(v, 1, 1, 1, 1, 2)
+    local = torch.div(picked, size[1], rounding_mode="floor")  # input rows
+    picked -= local * size[1]  # input columns
+    local -= first[..., 0]
+    local *= box[1]
+    local += picked
+    del picked
+    local -= first[..., 1]
+    local.clamp_(0, box[0] * box[1] - 1)  # entries outside the map: zeros, anywhere
+    flat = data.reshape(v, n, c, -1)
+    out = flat.new_zeros(v, n, c, box[0] * box[1])
+    out.scatter_add_(3, local.reshape(v, n, c, -1), flat)
+    return end_of(Windowed(out.view(v, n, c, *box), start, size))
+
+
+_MAX_POOL = "MaxPool2DWithIndicesBackward0"
 _FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
     "MaxPool2DWithIndicesBackward0": _max_pool2d,
     "AvgPool2DBackward0": _avg_pool2d,
@@ -161,7 +202,13 @@ class FoldedRule(LayerRule):
             return _nearest_windowed(node, block, size)
         if name == "AvgPool2DBackward0":
             return _avg_pool_windowed(node, block, size)
+        if name == "MaxPool2DWithIndicesBackward0":
+            return _max_pool_windowed(node, block, size)
         return None  # the dense kernel on the box made dense, windowed again
 
     def column_bytes(self, ctx, element):
-        return (2 * math.prod(ctx.out_shape) + 2 * ctx.x.numel()) * element
+        out = math.prod(ctx.out_shape)
+        node = ctx.node
+        # windowed max pooling's two int64 index maps of the output's (box) size
+        index = 2 * 8 * out if node is not None and node.name() == _MAX_POOL else 0
+        return (2 * out + 2 * ctx.x.numel()) * element + index
