@@ -46,6 +46,7 @@ __all__ = [
     "end_of",
     "forget_choices",
     "gather",
+    "resampled",
     "valid",
     "window",
 ]
@@ -788,3 +789,71 @@ def end_of(value: Any, fill: float = MAX_FILL) -> Windowed | Tensor:
     if isinstance(value, Windowed) and value.fill() > fill:
         return value.dense()
     return value
+
+
+def resampled(block: Windowed, matrices: tuple[Tensor, ...], shape: Any = None) -> Any:
+    """A block through a separable resize's backward: per axis, the matrix's box rows.
+
+    Args:
+        block: Vectors at the resize's output.
+        matrices: One ``[out, in]`` matrix per spatial axis (the resize is their
+            product, axis by axis).
+        shape: The input's shape, checked against the matrices (``None``: not checked).
+
+    Returns:
+        The vectors at the input: one box size for all columns, the widest input range
+        any run of the box's rows reaches.
+    """
+    data, starts, sizes = block.data, [], []
+    for axis, a in enumerate(matrices):  # a: [out, in]
+        a = a.to(data.dtype)
+        b = block.box[axis]
+        lo, hi = _row_ranges(a)
+        width = _widest(lo, hi, b, a.shape[0])
+        s = block.start[:, axis]
+        rows = s[:, None] + torch.arange(b, device=s.device)  # [V, b]
+        inside = (rows >= 0) & (rows < a.shape[0])
+        clamped = rows.clamp(0, a.shape[0] - 1)
+        first = torch.where(inside, lo[clamped], a.shape[1]).min(1).values
+        first = torch.where(first >= a.shape[1], 0, first)  # an empty box
+        cols = first[:, None] + torch.arange(width, device=s.device)  # [V, width]
+        ok = (cols >= 0) & (cols < a.shape[1])
+        sub = a[clamped[:, :, None], cols.clamp(0, a.shape[1] - 1)[:, None, :]]
+        sub = sub * (inside[:, :, None] & ok[:, None, :]).to(sub.dtype)  # [V, b, w]
+        # contract the axis: [V, ..., b, ...] with [V, b, w]
+        moved = data.movedim(3 + axis, -1)
+        lead = moved.shape[1:-1]
+        flat = moved.reshape(moved.shape[0], -1, b)
+        if flat.stride(1) == 0 or not flat.is_contiguous():
+            flat = flat.contiguous()
+        res = torch.bmm(flat, sub).reshape(moved.shape[0], *lead, width)
+        data = res.movedim(-1, 3 + axis)
+        starts.append(first)
+        sizes.append(a.shape[1])
+    out = Windowed(data, torch.stack(starts, 1), tuple(sizes))
+    if shape is not None and tuple(shape[2:]) != tuple(sizes):
+        raise RuntimeError("ggnchunk: a resize's matrices do not match (internal error)")
+    return end_of(out, MAX_FILL)
+
+
+def _row_ranges(a: Tensor) -> tuple[Tensor, Tensor]:
+    """Per output row: the first input column it reads and one past the last."""
+    nz = a != 0
+    idx = torch.arange(a.shape[1], device=a.device)
+    lo = torch.where(nz, idx, a.shape[1]).min(1).values
+    hi = torch.where(nz, idx + 1, 0).max(1).values
+    return lo, hi
+
+
+def _widest(lo: Tensor, hi: Tensor, b: int, out: int) -> int:
+    """The widest input range ``b`` consecutive output rows read, at any position."""
+    best = 1
+    for a0 in range(-(b - 1), out):
+        r0, r1 = max(a0, 0), min(a0 + b, out) - 1
+        if r1 < r0:
+            continue
+        first = int(lo[r0 : r1 + 1].min())
+        last = int(hi[r0 : r1 + 1].max())
+        if last > first:
+            best = max(best, last - first)
+    return best

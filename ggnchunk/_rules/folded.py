@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule
-from ggnchunk._windows import Windowed, end_of, gather, valid
+from ggnchunk._windows import Windowed, end_of, gather, resampled, valid
 
 __all__ = ["FoldedRule"]
 
@@ -153,6 +153,33 @@ def _max_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any
     return end_of(Windowed(out.view(v, n, c, *box), start, size))
 
 
+def _bilinear_matrices(node: Any, x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A bilinear upsampling's per-axis matrices, checked against its own backward.
+
+    Bilinear interpolation is separable: each axis is a linear interpolation with the
+    call's output size, ``align_corners`` and scale, whose matrix is that interpolation
+    applied to the identity. The product of the two is checked on a random probe (a
+    private generator) against the node's backward kernel; ``None`` where it differs.
+    """
+    out = tuple(node._saved_output_size)
+    align = node._saved_align_corners
+    scales = (node._saved_scales_h, node._saved_scales_w)
+    matrices = []
+    for axis in range(2):
+        n_in = x.shape[2 + axis]
+        eye = torch.eye(n_in, dtype=torch.float64, device=x.device).unsqueeze(0)
+        lines = torch.ops.aten.upsample_linear1d(eye, [out[axis]], align, scales[axis])
+        matrices.append(lines[0].T.contiguous())  # [out, in]
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    probe = torch.rand((1, 1, *out), dtype=torch.float64, device=x.device,
+                       generator=generator)  # fmt: skip
+    expected = _bilinear2d(node, probe, (1, 1, *x.shape[2:]))
+    got = matrices[0].T @ probe[0, 0] @ matrices[1]
+    if not torch.allclose(got, expected[0, 0], rtol=1e-10, atol=1e-12):
+        return None
+    return matrices[0].to(x.dtype), matrices[1].to(x.dtype)
+
+
 _MAX_POOL = "MaxPool2DWithIndicesBackward0"
 _FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
     "MaxPool2DWithIndicesBackward0": _max_pool2d,
@@ -204,6 +231,11 @@ class FoldedRule(LayerRule):
             return _avg_pool_windowed(node, block, size)
         if name == "MaxPool2DWithIndicesBackward0":
             return _max_pool_windowed(node, block, size)
+        if name == "UpsampleBilinear2DBackward0":
+            if ctx.caches.matrices is None:
+                ctx.caches.matrices = _bilinear_matrices(node, x) or False
+            if ctx.caches.matrices is not False:
+                return resampled(block, ctx.caches.matrices, x.shape)
         return None  # the dense kernel on the box made dense, windowed again
 
     def column_bytes(self, ctx, element):

@@ -435,6 +435,17 @@ MODELS = {
         nn.Upsample(scale_factor=2),
         nn.Conv2d(4, 2, 3, padding=1),
     ),
+    # bilinear upsampling modules (align_corners both ways, a scale and a size)
+    "bilinear-modules": lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, stride=2, padding=1),
+        nn.UpsamplingBilinear2d(size=(9, 11)),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.Upsample(size=(12, 12), mode="bilinear", align_corners=True),
+        nn.Conv2d(3, 2, 3, padding=1),
+    ),
     # super-resolution style: space to depth and back (a module and the function)
     "pixel-shuffle": lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1),
@@ -474,6 +485,7 @@ SHAPES = {
     "pixel-shuffle": (2, 12, 12),
     "reflection-pads": (2, 12, 12),
     "max-pools": (2, 12, 12),
+    "bilinear-modules": (2, 12, 12),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
