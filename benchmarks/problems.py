@@ -403,6 +403,59 @@ def time_unet_32(scale: int = 1) -> Problem:
     return TimeAttentionUNet(width=8, tdim=16), nn.MSELoss(), (x, t), x
 
 
+class _DoubleConv(nn.Sequential):
+    """Two 3×3 convolutions, each with BatchNorm (eval) and an in-place ReLU."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        )  # fmt: skip
+
+
+class _Up(nn.Module):
+    """Bilinear upsampling, ``F.pad`` to the skip's size, ``cat``, two convolutions."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.conv = _DoubleConv(cin, cout)
+
+    def forward(self, x1, x2):
+        x1 = self.up(x1)
+        dy, dx = x2.size(2) - x1.size(2), x2.size(3) - x1.size(3)
+        x1 = F.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        return self.conv(torch.cat([x2, x1], dim=1))
+
+
+class ClassicUNet(nn.Module):
+    """The classic U-Net layout (as in the popular PyTorch ports of Ronneberger et al.).
+
+    Max pooling down, bilinear upsampling up, ``F.pad`` to match the skips, BatchNorm
+    (eval) and in-place ReLUs; two levels, width ``w``.
+    """
+
+    def __init__(self, w: int = 8):
+        super().__init__()
+        self.inc = _DoubleConv(3, w)
+        self.down1 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(w, 2 * w))
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(2 * w, 2 * w))
+        self.up1, self.up2 = _Up(4 * w, w), _Up(2 * w, w)
+        self.outc = nn.Conv2d(w, 3, 1)
+
+    def forward(self, x):  # noqa: D102
+        x1 = self.inc(x)
+        x2 = self.down1(x1)
+        return self.outc(self.up2(self.up1(self.down2(x2), x2), x1))
+
+
+def unet_classic_64(scale: int = 1) -> Problem:
+    """:class:`ClassicUNet` (width 8, eval) on ``[2, 3, 64, 64]``, MSE to the input."""
+    x = torch.rand(2 * scale, 3, 64, 64)
+    return ClassicUNet(8).eval(), nn.MSELoss(), x, x
+
+
 def sr_espcn(scale: int = 1) -> Problem:
     """ESPCN super-resolution (Shi et al., 2016), ×2: 4 images 3×32×32 to 3×64×64, MSE.
 
@@ -424,6 +477,7 @@ PROBLEMS.update(
     time_unet_64=time_unet_64,
     time_unet_32=time_unet_32,
     sr_espcn=sr_espcn,
+    unet_classic_64=unet_classic_64,
 )
 GPU_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64")
 """Rows added to :data:`DEFAULT_PROBLEMS` on CUDA."""

@@ -35,14 +35,17 @@ PROBLEMS = {
     "unet_64": ("1GiB", 128, "U-Net 2×3×64×64, width 16", 5.0),
     "time_unet_64": ("2GiB", 128, "time-conditioned U-Net 2×3×64×64 with attention", 5.0),
     "sr_espcn": ("256MiB", 16, "ESPCN ×2 super-resolution 4×3×32×32 → 64×64", None),
+    "unet_classic_64": ("512MiB", 64, "classic U-Net 2×3×64×64 (max pool, bilinear)", None),
 }
 ROUNDS = {
     "unet_64": 1,
     "time_unet_64": 1,
+    "unet_classic_64": 1,
 }  # timed calls per path (the others: one untimed, then one)
 UNCOUNTED = {
     ("unet_64", "dense"),
     ("time_unet_64", "dense"),
+    ("unet_classic_64", "dense"),
 }  # FLOPs not counted (an extra call takes minutes)
 
 
