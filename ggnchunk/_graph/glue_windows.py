@@ -52,7 +52,7 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
-from ggnchunk._rules.folded import _avg_pool_windowed, _max_pool_windowed, _tiles
+from ggnchunk._rules.folded import avg_pool_windowed, max_pool_windowed, pool_tiles
 from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather, resampled, valid
 from ggnchunk._windows import add as add_vectors
 
@@ -270,7 +270,7 @@ def _action(n: Node) -> str | None:
         # whose windows tile the input)
         if len(shape) != 4 or len(nexts) != 1:
             return None
-        if name == "AvgPool2DBackward0" and _tiles(n) is None:
+        if name == "AvgPool2DBackward0" and pool_tiles(n) is None:
             return None
         return "pool"
     if name in ("PixelShuffleBackward0", "PixelUnshuffleBackward0"):
@@ -434,8 +434,8 @@ def _step(
         m, nr = nexts[0]
         size = tuple(grad_shape(m, nr)[2:])
         pooled = (
-            _max_pool_windowed(n, block, size) if n.name().startswith("MaxPool")
-            else _avg_pool_windowed(n, block, size)
+            max_pool_windowed(n, block, size) if n.name().startswith("MaxPool")
+            else avg_pool_windowed(n, block, size)
         )  # fmt: skip
         out.append((m, nr, pooled))
     elif act == "shuffle":

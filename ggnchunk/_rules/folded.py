@@ -12,15 +12,21 @@ from torch import Tensor, nn
 from ggnchunk._rules.base import LayerRule
 from ggnchunk._windows import Windowed, end_of, gather, resampled, valid
 
-__all__ = ["FoldedRule"]
+__all__ = ["FoldedRule", "avg_pool_windowed", "max_pool_windowed", "pool_tiles"]
 
 
-def _tiles(node: Any) -> tuple[int, ...] | None:
+def pool_tiles(node: Any) -> tuple[int, ...] | None:
     """An average pooling's kernel where its windows tile the input, else ``None``.
 
     Kernel = stride (an empty stride, as ``F.avg_pool2d(x, 2)`` records it, is the
     kernel), no padding, floor mode, no divisor override: each input is in at most one
     window, and each window's divisor is its size.
+
+    Args:
+        node: The pooling's autograd node.
+
+    Returns:
+        The kernel size, or ``None``.
     """
     kernel = tuple(node._saved_kernel_size)
     stride = tuple(node._saved_stride) or kernel
@@ -33,7 +39,7 @@ def _tiles(node: Any) -> tuple[int, ...] | None:
 
 
 def _avg_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
-    kernel = _tiles(node)
+    kernel = pool_tiles(node)
     if kernel is not None:  # each output spread over its window: one copy, where
         # torch's kernel takes about three times as long on the CPU
         kh, kw = kernel
@@ -97,9 +103,19 @@ def _nearest_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     return end_of(Windowed(summed, start, size))
 
 
-def _avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
-    """Average pooling, kernel = stride, no padding: each output spread over its tile."""
-    kernel = _tiles(node)
+def avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
+    """Average pooling, kernel = stride, no padding: each output spread over its tile.
+
+    Args:
+        node: The pooling's autograd node (its saved arguments are read).
+        block: Vectors at its output, ``[V, N, C, *box]`` on the output's boxes.
+        size: The input's spatial size ``(H, W)``.
+
+    Returns:
+        The vectors at the input (boxes ``kernel`` times larger), or ``None`` where
+        the windows do not tile the input.
+    """
+    kernel = pool_tiles(node)
     if kernel is None:
         return None
     data = block.data
@@ -113,13 +129,22 @@ def _avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any
     return end_of(Windowed(spread, start, size))
 
 
-def _max_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
+def max_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     """Max pooling: each output's vectors go to its recorded argmax, inside the box.
 
     Output rows ``[s, s + b)`` read input rows from ``s * stride - padding`` to
     ``(s + b - 1) * stride - padding + dilation * (kernel - 1)``: one box size for every
     column. The argmax of each box entry (from the recorded indices, gathered on the
     boxes) becomes a position in the input box, where the vectors are added.
+
+    Args:
+        node: The pooling's autograd node (its saved arguments and indices are read).
+        block: Vectors at its output, ``[V, N, C, *box]`` on the output's boxes.
+        size: The input's spatial size ``(H, W)``.
+
+    Returns:
+        The vectors at the input, ``[V, N, C, *input_box]``, or ``None`` for a
+        pooling that is not 2d.
     """
     kernel, stride = tuple(node._saved_kernel_size), tuple(node._saved_stride)
     stride = stride or kernel
@@ -228,9 +253,9 @@ class FoldedRule(LayerRule):
         if name == "UpsampleNearest2DBackward0":
             return _nearest_windowed(node, block, size)
         if name == "AvgPool2DBackward0":
-            return _avg_pool_windowed(node, block, size)
+            return avg_pool_windowed(node, block, size)
         if name == "MaxPool2DWithIndicesBackward0":
-            return _max_pool_windowed(node, block, size)
+            return max_pool_windowed(node, block, size)
         if name == "UpsampleBilinear2DBackward0":
             if ctx.caches.matrices is None:
                 ctx.caches.matrices = _bilinear_matrices(node, x) or False
