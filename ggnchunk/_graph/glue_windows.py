@@ -74,6 +74,8 @@ POINTWISE = frozenset({
 """Nodes whose backward multiplies by a map of the same shape (a diagonal Jacobian)."""
 
 RESAMPLE = "_FoldedResampleBackward"
+_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0",
+                    "ExpandBackward0"})  # fmt: skip
 _FOLDING_PADS = frozenset(
     f"{kind}Pad{d}DBackward0" for kind in ("Reflection", "Replication") for d in (1, 2, 3)
 )
@@ -88,10 +90,10 @@ class GluePlan:
         start: The region's first node and output number.
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
-        action: ``id -> "pointwise" | "add" | "sub" | "mul" | "div" | "cat" | "pad" |
-            "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "resample" |
-            "hand"``
-            (``"hand"``: handed to autograd, dense).
+        action: ``id -> "pointwise" | "same" | "add" | "sub" | "mul" | "div" | "cat" |
+            "pad" | "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "resample" |
+            "hand"`` (``"hand"``: handed to autograd, dense; ``"same"``: a view to
+            the same shape).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).
@@ -238,6 +240,11 @@ def _action(n: Node) -> str | None:
             return None
         there = grad_shape(*nexts[0])
         return "pointwise" if there == shape else None
+    if name in _VIEWS:  # a view or expand to the same shape: the block as it is
+        same = (
+            len(nexts) == 1 and nexts[0][0] is not None and grad_shape(*nexts[0]) == shape
+        )
+        return "same" if same else None
     if name in ("AddBackward0", "SubBackward0"):
         return "add" if name == "AddBackward0" else "sub"
     if name == "MulBackward0":
@@ -385,6 +392,9 @@ def _step(
             if m is None:
                 continue
             out.append((m, nr, _reduced(_times(block, factors[i]), grad_shape(m, nr))))
+    elif act == "same":
+        m, nr = nexts[0]
+        out.append((m, nr, block))
     elif act == "div":
         other = saved_value(n, "other")  # a tensor (a number is a 0-d tensor)
         for i, (m, nr) in enumerate(nexts):

@@ -226,7 +226,8 @@ class PadsAndCrops(nn.Module):
 
     ``F.pad`` of the upsampled map to the skip's size before ``cat`` (uneven sides),
     a gate on the halves of ``chunk``, a slice of channels, a crop by slicing
-    (``[:, :, 1:, :-1]``) and an ``F.pad`` whose negative side crops a row.
+    (``[:, :, 1:, :-1]``), an ``F.pad`` whose negative side crops a row, and a view to
+    the same shape.
     """
 
     def __init__(self, channels: int = 2, width: int = 4):
@@ -243,7 +244,8 @@ class PadsAndCrops(nn.Module):
         t = self.b(torch.cat([u, h], dim=1))
         p, q = t.chunk(2, dim=1)  # a gate, as GLU-style blocks split channels
         g = torch.tanh(p) * torch.sigmoid(q) + t[:, 1:3]
-        return self.c(F.pad(g[:, :, 1:, :-1], [0, 1, -1, 2]))
+        g = F.pad(g[:, :, 1:, :-1], [0, 1, -1, 2])
+        return self.c(g.view(g.shape))  # a view to the same shape: the region's start
 
 
 class Padded(nn.Module):
@@ -837,15 +839,20 @@ def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch
     assert_diag_close(got, expected, rtol=1e-9, label="time embedding added")
 
 
-@pytest.mark.parametrize(
-    "name", ["functional-resizes", "functional-unet", "diffusers-style"]
-)
+ON_THE_BOXES = ["functional-resizes", "functional-unet", "diffusers-style",
+                "pads-and-crops", "pixel-shuffle", "reflection-pads", "max-pools",
+                "bilinear-modules"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ON_THE_BOXES)
 def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
     """Pointwise maps, sums, products, quotients, cats and resizes keep the boxes.
 
-    Nothing is windowed from values; the attention inside ``functional-unet``'s and
-    ``diffusers-style``'s glue is crossed dense, by autograd. The results are exact
-    either way (the table above).
+    So do pads, crops, channel slices and gates, pixel shuffles, reflection pads,
+    pooling and bilinear upsampling, in the glue and as layers. Nothing is windowed
+    from values; the attention inside ``functional-unet``'s and ``diffusers-style``'s
+    glue is crossed dense, by autograd. The results are exact either way (the table
+    above).
     """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
@@ -864,7 +871,8 @@ def test_functional_glue_crosses_on_the_boxes(name, monkeypatch):
     monkeypatch.setattr(sweep, "window", lambda v: by_values.append(v) or window(v))
     model, loss_func, x, targets = _problem(name, "mse")
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2)
-    assert crossed, "no glue region was crossed on the boxes"
+    # (bilinear-modules has no glue; max-pools' glue sits where the boxes fill the map)
+    assert crossed or name in ("bilinear-modules", "max-pools"), "no glue crossed"
     assert any(crossed) is (name in ("functional-unet", "diffusers-style"))
     assert not by_values, "a region was crossed dense and windowed from values"
     assert_diag_close(actual, _expected(name, "mse"), rtol=1e-9, label=name)
@@ -1589,6 +1597,7 @@ GLUE_OPS = {
     "down": lambda h: F.avg_pool2d(h, 2) if min(h.shape[-2:]) >= 4 else h,
     "tanh-times": lambda h: torch.tanh(h) * h,
     "rsub": lambda h: 0.5 - h,
+    "same-view": lambda h: (h * 1.5).reshape(h.shape).expand(h.shape),
     "max-pool": lambda h: (
         F.max_pool2d(h, 3, stride=2, padding=1) if min(h.shape[-2:]) >= 4 else h
     ),
