@@ -21,6 +21,13 @@ known geometry on its boxes (:func:`cross`):
 - ``F.pad`` with zeros and slices of positions (``h[..., :H, :W]``, a classic U-Net's
   crops): the boxes shifted to the input's positions; slices, ``chunk`` and ``split``
   of channels: zeros for the channels a part left out (the parts' blocks summed);
+- reflection and replication padding (CycleGAN's generators): each box folded onto the
+  input positions its entries read;
+- ``F.max_pool2d`` and ``F.avg_pool2d`` (tiling windows): the pooling layers' own
+  windowed maps (:mod:`ggnchunk._rules.folded`);
+- ``pixel_shuffle`` / ``pixel_unshuffle`` (super-resolution heads): boxes widened to
+  whole cells and moved to the other grid;
+- views and ``expand`` to the same shape: the block as it is;
 - resizes folded by :mod:`ggnchunk._resample`: each spatial axis's matrix restricted to
   the box's rows and the input rows they reach (one box size for all columns).
 
