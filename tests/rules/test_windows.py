@@ -575,6 +575,10 @@ CASES = [
 ]
 
 
+# exactness; the budget itself is measured in fresh processes (tests/budget): after
+# the suite's earlier tests a 256 MiB case's chunk peaked at 257.1 MiB of resident
+# memory once (functional-resizes, warned), where it passes alone
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
 @pytest.mark.parametrize(("name", "loss", "chunking"), CASES)
 def test_windowed_matches_brute_force(name, loss, chunking, windows_everywhere):
     model, loss_func, x, targets = _problem(name, loss)
