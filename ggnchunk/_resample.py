@@ -167,16 +167,35 @@ def fold_interpolate(args: tuple, kwargs: dict) -> Tensor | None:
     if x.dim() not in (3, 4, 5) or x.layout is not torch.strided:
         return None
     options = {k: v for k, v in options.items() if k != "input"}
+    matrices = axis_matrices(x, options)
+    if matrices is None:
+        return None
+    return _FoldedResample.apply(x, options, matrices)
+
+
+def axis_matrices(x: Tensor, options: dict[str, Any]) -> tuple[Tensor, ...] | None:
+    """The ``[out, in]`` matrix of each spatial axis of ``F.interpolate(x, **options)``.
+
+    Each is the identity along its axis resampled; together they must map a random
+    probe as the call does (a safety net: kernels not separable as assumed).
+
+    Args:
+        x: The call's input ``[N, C, *S]`` (only its shape, dtype and device are read).
+        options: The call's other arguments.
+
+    Returns:
+        The matrices, or ``None`` where they do not reproduce the call (or it raises).
+    """
     try:
         sizes = _out_sizes(x, options)
         with torch.no_grad():
             matrices = [_axis_matrix(x, options, axis, sizes[axis])
                         for axis in range(x.dim() - 2)]  # fmt: skip
             if any(a is None for a in matrices) or not _reproduces(x, options, matrices):
-                return None  # a safety net: kernels not separable as assumed
+                return None
     except Exception:  # the user's own call runs (and raises) as it is
         return None
-    return _FoldedResample.apply(x, options, tuple(matrices))
+    return tuple(matrices)
 
 
 def _out_sizes(x: Tensor, options: dict[str, Any]) -> tuple[int, ...]:

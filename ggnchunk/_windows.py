@@ -48,6 +48,7 @@ __all__ = [
     "gather",
     "resampled",
     "valid",
+    "whole_cells",
     "window",
 ]
 
@@ -857,3 +858,24 @@ def _widest(lo: Tensor, hi: Tensor, b: int, out: int) -> int:
         if last > first:
             best = max(best, last - first)
     return best
+
+
+def whole_cells(block: Windowed, factors: tuple[int, ...]) -> tuple[Windowed, Tensor]:
+    """The block on its boxes widened to whole cells of ``factors`` positions per axis.
+
+    ``b`` positions starting anywhere lie in at most ``(b + f - 2) // f + 1`` cells of
+    ``f``: one box size for every column (nearest upsampling's and ``pixel_shuffle``'s
+    backward sum or regroup each cell).
+
+    Args:
+        block: Vectors on boxes of a map whose axes are ``factors`` times a grid's.
+        factors: Positions per cell along each spatial axis.
+
+    Returns:
+        ``(block on the cells' boxes, [V, d] first cell per column)``; the box holds
+        ``(b + f - 2) // f + 1`` cells along each axis.
+    """
+    f = torch.tensor(factors, device=block.start.device)
+    cells = torch.div(block.start, f, rounding_mode="floor")
+    box = tuple(((b + k - 2) // k + 1) * k for k, b in zip(factors, block.box, strict=True))
+    return block.rebox(cells * f, box), cells

@@ -59,8 +59,16 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
-from ggnchunk._rules.folded import avg_pool_windowed, max_pool_windowed, pool_tiles
-from ggnchunk._windows import MAX_FILL, Windowed, end_of, gather, resampled, valid
+from ggnchunk._rules.folded import WINDOWED, pool_tiles
+from ggnchunk._windows import (
+    MAX_FILL,
+    Windowed,
+    end_of,
+    gather,
+    resampled,
+    valid,
+    whole_cells,
+)
 from ggnchunk._windows import add as add_vectors
 
 __all__ = ["GluePlan", "cross", "plan"]
@@ -449,12 +457,7 @@ def _step(
         out.append((m, nr, _folded_pad(n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "pool":
         m, nr = nexts[0]
-        size = tuple(grad_shape(m, nr)[2:])
-        pooled = (
-            max_pool_windowed(n, block, size) if n.name().startswith("MaxPool")
-            else avg_pool_windowed(n, block, size)
-        )  # fmt: skip
-        out.append((m, nr, pooled))
+        out.append((m, nr, WINDOWED[n.name()](n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "shuffle":
         m, nr = nexts[0]
         out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))
@@ -538,9 +541,7 @@ def _shuffled(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:
         data = F.pixel_shuffle(block.data, r)
         return end_of(Windowed(data, block.start * r, size), MAX_FILL)
     r = saved_value(n, "upscale_factor")
-    cells = torch.div(block.start, r, rounding_mode="floor")
-    box = tuple((b + r - 2) // r + 1 for b in block.box)
-    wide = block.rebox(cells * r, tuple(c * r for c in box))
+    wide, cells = whole_cells(block, (r,) * len(block.box))
     data = F.pixel_unshuffle(wide.data, r)
     return end_of(Windowed(data, cells, size), MAX_FILL)
 

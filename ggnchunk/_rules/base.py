@@ -31,8 +31,8 @@ class Caches:
         x_hat: BatchNorm's input normalized by its running statistics.
         normalized: LayerNorm/GroupNorm's ``(x_hat [N, M, D], 1/std [N, M, 1])``.
         running: BatchNorm's running ``(mean, var)``, cloned at forward time.
-        matrices: A bilinear upsampling's per-axis ``[out, in]`` matrices (``False``
-            where they did not reproduce its backward).
+        matrices: A bilinear or bicubic upsampling's per-axis ``[out, in]``
+            matrices (``False`` where they did not reproduce its call).
         custom: Anything a registered rule keeps (not counted, never dropped).
     """
 

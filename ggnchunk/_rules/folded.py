@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ggnchunk._resample import axis_matrices
 from ggnchunk._rules.base import LayerRule
-from ggnchunk._windows import Windowed, end_of, gather, resampled, valid
+from ggnchunk._windows import Windowed, end_of, gather, resampled, valid, whole_cells
 
-__all__ = ["FoldedRule", "avg_pool_windowed", "max_pool_windowed", "pool_tiles"]
+__all__ = ["WINDOWED", "FoldedRule", "pool_tiles"]
 
 
 def pool_tiles(node: Any) -> tuple[int, ...] | None:
@@ -93,13 +94,11 @@ def _nearest_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     factor = tuple(o // i for o, i in zip(out, size, strict=True))
     if any(s is not None and s != f for s, f in zip(scales, factor, strict=True)):
         return None  # torch maps with the given scale then, not the ratio
-    f = torch.tensor(factor, device=block.start.device)
-    start = torch.div(block.start, f, rounding_mode="floor")
-    box = tuple((s + b - 2) // s + 1 for s, b in zip(factor, block.box, strict=True))
-    region = block.rebox(start * f, tuple(b * s for b, s in zip(box, factor, strict=True)))
+    region, start = whole_cells(block, factor)
     data = region.data
-    v, n, c = data.shape[:3]
-    summed = data.reshape(v, n, c, box[0], factor[0], box[1], factor[1]).sum((4, 6))
+    v, n, c, h, w = data.shape
+    summed = data.reshape(v, n, c, h // factor[0], factor[0], w // factor[1], factor[1])
+    summed = summed.sum((4, 6))
     return end_of(Windowed(summed, start, size))
 
 
@@ -178,36 +177,25 @@ def max_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     return end_of(Windowed(out.view(v, n, c, *box), start, size))
 
 
-def _bilinear_matrices(node: Any, x: Tensor) -> tuple[Tensor, Tensor] | None:
-    """A bilinear upsampling's per-axis matrices, checked against its own backward.
-
-    Bilinear interpolation is separable: each axis is a linear interpolation with the
-    call's output size, ``align_corners`` and scale, whose matrix is that interpolation
-    applied to the identity. The product of the two is checked on a random probe (a
-    private generator) against the node's backward kernel; ``None`` where it differs.
-    """
-    out = tuple(node._saved_output_size)
-    align = node._saved_align_corners
-    scales = (node._saved_scales_h, node._saved_scales_w)
-    matrices = []
-    for axis in range(2):
-        n_in = x.shape[2 + axis]
-        eye = torch.eye(n_in, dtype=torch.float64, device=x.device).unsqueeze(0)
-        lines = torch.ops.aten.upsample_linear1d(eye, [out[axis]], align, scales[axis])
-        matrices.append(lines[0].T.contiguous())  # [out, in]
-    generator = torch.Generator(device=x.device).manual_seed(0)
-    probe = torch.rand((1, 1, *out), dtype=torch.float64, device=x.device,
-                       generator=generator)  # fmt: skip
-    expected = _bilinear2d(node, probe, (1, 1, *x.shape[2:]))
-    got = matrices[0].T @ probe[0, 0] @ matrices[1]
-    if not torch.allclose(got, expected[0, 0], rtol=1e-10, atol=1e-12):
-        return None
-    return matrices[0].to(x.dtype), matrices[1].to(x.dtype)
+def _resize_options(module: nn.Module) -> dict[str, Any]:
+    """An upsampling module's call as ``F.interpolate``'s arguments."""
+    return {
+        "size": module.size, "scale_factor": module.scale_factor, "mode": module.mode,
+        "align_corners": module.align_corners,
+        "recompute_scale_factor": getattr(module, "recompute_scale_factor", None),
+    }  # fmt: skip
 
 
+WINDOWED: dict[str, Callable[[Any, Windowed, tuple[int, ...]], Any]] = {
+    "UpsampleNearest2DBackward0": _nearest_windowed,
+    "AvgPool2DBackward0": avg_pool_windowed,
+    "MaxPool2DWithIndicesBackward0": max_pool_windowed,
+}
+"""Windowed maps by autograd node, for the layers and for the same calls in glue."""
 _MAX_POOL = "MaxPool2DWithIndicesBackward0"
+_RESIZES = frozenset({"UpsampleBilinear2DBackward0", "UpsampleBicubic2DBackward0"})
 _FOLDED: dict[str, Callable[[Any, Tensor, tuple[int, ...]], Tensor]] = {
-    "MaxPool2DWithIndicesBackward0": _max_pool2d,
+    _MAX_POOL: _max_pool2d,
     "AvgPool2DBackward0": _avg_pool2d,
     "UpsampleNearest2DBackward0": _nearest2d,
     "UpsampleBilinear2DBackward0": _bilinear2d,
@@ -250,15 +238,12 @@ class FoldedRule(LayerRule):
             return None
         size = tuple(x.shape[2:])
         name = node.name()
-        if name == "UpsampleNearest2DBackward0":
-            return _nearest_windowed(node, block, size)
-        if name == "AvgPool2DBackward0":
-            return avg_pool_windowed(node, block, size)
-        if name == "MaxPool2DWithIndicesBackward0":
-            return max_pool_windowed(node, block, size)
-        if name == "UpsampleBilinear2DBackward0":
+        if name in WINDOWED:
+            return WINDOWED[name](node, block, size)
+        if name in _RESIZES:  # the module's per-axis matrices, as the glue's resizes
             if ctx.caches.matrices is None:
-                ctx.caches.matrices = _bilinear_matrices(node, x) or False
+                options = _resize_options(ctx.module)
+                ctx.caches.matrices = axis_matrices(x, options) or False
             if ctx.caches.matrices is not False:
                 return resampled(block, ctx.caches.matrices, x.shape)
         return None  # the dense kernel on the box made dense, windowed again
