@@ -437,7 +437,8 @@ MODELS = {
         nn.Upsample(scale_factor=2),
         nn.Conv2d(4, 2, 3, padding=1),
     ),
-    # bilinear upsampling modules (align_corners both ways, a scale and a size)
+    # bilinear upsampling modules (align_corners both ways, a scale and a size), and a
+    # bicubic one
     "bilinear-modules": lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3, stride=2, padding=1),
         nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
@@ -446,6 +447,8 @@ MODELS = {
         nn.UpsamplingBilinear2d(size=(9, 11)),
         nn.Conv2d(3, 3, 3, padding=1),
         nn.Upsample(size=(12, 12), mode="bilinear", align_corners=True),
+        nn.Conv2d(3, 3, 3, stride=2, padding=1),
+        nn.Upsample(scale_factor=2, mode="bicubic"),
         nn.Conv2d(3, 2, 3, padding=1),
     ),
     # super-resolution style: space to depth and back (a module and the function)
