@@ -40,7 +40,9 @@ __all__ = [
     "edge_of",
     "gather_of",
     "grad_shape",
+    "node_name",
     "noting",
+    "on_columns",
     "output_count",
     "plain_grad",
     "quiet_autograd",
@@ -310,7 +312,73 @@ def _batched(
     inputs: Sequence[Target],
     grad_outputs: Sequence[Tensor],
 ) -> tuple[Tensor | None, ...]:
-    return _grad(outputs, inputs, grad_outputs, batched=True)
+    previous = getattr(_COLUMNS, "count", None)
+    _COLUMNS.count = int(grad_outputs[0].shape[0]) if grad_outputs else None
+    try:
+        return _grad(outputs, inputs, grad_outputs, batched=True)
+    finally:
+        _COLUMNS.count = previous
+
+
+_COLUMNS = threading.local()  # how many vectors this thread's batched backward carries
+
+
+def _vmap_level() -> int:
+    """The level of the batching autograd runs now (torch's legacy vmap nesting)."""
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()
+    return level - 1
+
+
+def on_columns(
+    grads: Sequence[Tensor], backward: Callable[..., Sequence[Tensor | None]]
+) -> tuple[Tensor | None, ...]:
+    """Run a folded node's backward on all columns of a batched backward at once.
+
+    Inside ``torch.autograd.grad(..., is_grads_batched=True)`` a node's backward sees
+    one column's gradient (a batched view); torch runs the kernels it has no batching
+    rule for once per column. ``backward`` instead takes the columns as a leading axis
+    and uses plain kernels (the columns folded into the batch axis). Outside a batched
+    backward of :func:`batched_grad` (one gradient) it runs on a leading axis of one.
+
+    Args:
+        grads: The node's output gradients (one column's view of them).
+        backward: Maps ``[V, *output_shape]`` tensors to ``[V, *input_shape]`` ones
+            (``None`` for inputs without a gradient), with out-of-place operations.
+
+    Returns:
+        The node's input gradients, as autograd expects them.
+    """
+    count = getattr(_COLUMNS, "count", None)
+    batched = [torch._C._functorch.is_legacy_batchedtensor(g) for g in grads]
+    if count is not None and all(batched):
+        level = _vmap_level()
+        columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
+        if all(c.shape == (count, *g.shape) for c, g in zip(columns, grads, strict=True)):
+            results = backward(*columns)
+            return tuple(
+                None if r is None else torch._add_batch_dim(r, 0, level) for r in results
+            )
+    # one gradient (or a batching that is not ours): a leading axis of one; torch
+    # batches (or loops over) the plain kernels as it would any backward
+    results = backward(*(g.unsqueeze(0) for g in grads))
+    return tuple(None if r is None else r.squeeze(0) for r in results)
+
+
+def node_name(node: Node) -> str:
+    """The name of the autograd node a folded glue node stands for, else its own.
+
+    Folded glue (:mod:`ggnchunk._glue_kernels`) records the arguments of the torch node
+    it replaces under the same ``_saved_*`` names, so code that reads nodes by kind
+    (the windowed glue) reads both alike.
+
+    Args:
+        node: An autograd node.
+
+    Returns:
+        A name such as ``"ConstantPadNdBackward0"``.
+    """
+    return getattr(node, "stands_for", None) or node.name()
 
 
 def _grad(

@@ -10,7 +10,10 @@ forward computation with such a backward:
 - ``F.scaled_dot_product_attention`` (also inside ``nn.MultiheadAttention``):
   :mod:`ggnchunk._attention`;
 - ``F.interpolate`` outside layers with a rule (functional resizes; ``nn.Upsample``
-  keeps its rule): :mod:`ggnchunk._resample`.
+  keeps its rule): :mod:`ggnchunk._resample`;
+- ``F.pad`` (every mode), max and average pooling (1-3d, also adaptive), ``flip``,
+  ``roll``, ``softmax`` and ``log_softmax`` outside layers with a rule (the pooling
+  layers keep theirs): :mod:`ggnchunk._glue_kernels`.
 
 Calls they cannot reproduce exactly are left as they are.
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ggnchunk._attention import SDPA, attention_workspace, fold_attention, unchecked
+from ggnchunk._glue_kernels import FOLDERS, fold_glue_call, glue_kernel_workspace
 from ggnchunk._resample import INTERPOLATE, fold_interpolate, resample_workspace
 
 __all__ = ["folded_glue", "glue_workspace", "layer_entered", "layer_left"]
@@ -52,7 +56,10 @@ def glue_workspace(node: Any) -> int:
     Returns:
         A folded node's workspace (all samples together), else 0.
     """
-    return attention_workspace(node) + resample_workspace(node)
+    return (
+        attention_workspace(node) + resample_workspace(node)
+        + glue_kernel_workspace(node)
+    )  # fmt: skip
 
 
 class _Folding(TorchFunctionMode):
@@ -64,6 +71,10 @@ class _Folding(TorchFunctionMode):
                 return folded
         elif func is INTERPOLATE and not getattr(_DEPTH, "value", 0):
             folded = fold_interpolate(args, kwargs)
+            if folded is not None:
+                return folded
+        elif func in FOLDERS and not getattr(_DEPTH, "value", 0):
+            folded = fold_glue_call(func, args, kwargs)
             if folded is not None:
                 return folded
         elif func is F.multi_head_attention_forward:

@@ -56,6 +56,7 @@ from ggnchunk._autograd import (
     batched_grad,
     edge_key,
     grad_shape,
+    node_name,
     output_count,
     saved_value,
 )
@@ -214,10 +215,10 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
         if act == "hand":
             if spatial.get(k, False):
                 out.handoffs = True
-                out.handed.append(n.name())
+                out.handed.append(node_name(n))
             continue
         shape = grad_shape(n, 0)
-        if act == "pool" and n.name().startswith("MaxPool"):
+        if act == "pool" and node_name(n).startswith("MaxPool"):
             out.index_bytes += 2 * 8 * math.prod(shape[1:])
         for m, nr in n.next_functions:
             if m is None or (id(m) not in region and (id(m), int(nr)) not in end_set):
@@ -237,7 +238,7 @@ def plan(target: Any, frontier: list[GradientEdge]) -> GluePlan | None:
 
 def _action(n: Node) -> str | None:
     """What a node does with a spatial block, or ``None`` (handed to autograd)."""
-    name = n.name()
+    name = node_name(n)
     shape = grad_shape(n, 0)
     nexts = n.next_functions
     if name in ("SplitBackward0", "SplitWithSizesBackward0"):  # torch.chunk, split
@@ -457,7 +458,7 @@ def _step(
         out.append((m, nr, _folded_pad(n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "pool":
         m, nr = nexts[0]
-        out.append((m, nr, WINDOWED[n.name()](n, block, tuple(grad_shape(m, nr)[2:]))))
+        out.append((m, nr, WINDOWED[node_name(n)](n, block, tuple(grad_shape(m, nr)[2:]))))
     elif act == "shuffle":
         m, nr = nexts[0]
         out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))
@@ -500,7 +501,7 @@ def _folded_pad(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:
     positions, starting at the smallest ``f(q)``. The block is summed onto it along the
     axis (positions reflected onto one another add up).
     """
-    reflect = n.name().startswith("Reflection")
+    reflect = node_name(n).startswith("Reflection")
     pads = saved_value(n, "padding")  # last axis first, (left, right) per axis
     dims = len(size)
     data, starts = block.data, []
@@ -536,7 +537,7 @@ def _shuffled(n: Node, block: Windowed, size: tuple[int, ...]) -> Any:
     any alignment needs, ``(b + r - 2) // r + 1`` cells for ``b`` positions), then
     unshuffled onto the input's grid. ``pixel_unshuffle``: the box's cells shuffled back.
     """
-    if n.name() == "PixelUnshuffleBackward0":
+    if node_name(n) == "PixelUnshuffleBackward0":
         r = saved_value(n, "downscale_factor")
         data = F.pixel_shuffle(block.data, r)
         return end_of(Windowed(data, block.start * r, size), MAX_FILL)

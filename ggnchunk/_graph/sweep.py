@@ -398,7 +398,7 @@ def _elementwise(operation: str) -> bool:
     batched; the warning is for the kernels whose loop is the slow part (convolutions,
     normalizations, attention, pooling, resampling).
     """
-    name = operation.removeprefix("aten::").removesuffix("_out")
+    name = operation.removeprefix("aten::").split(".")[0].removesuffix("_out")  # overloads
     return name in _ELEMENTWISE or name.removesuffix("_backward") in _ACTIVATIONS
 
 

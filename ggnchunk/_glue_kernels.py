@@ -1,0 +1,538 @@
+r"""Pads, pooling, shuffles, flips, rolls, masks and softmax in glue: all columns at once.
+
+torch's batching (``torch.autograd.grad(..., is_grads_batched=True)``) has no rule for
+the backward kernels of ``F.pad`` (every mode), max and average pooling (also adaptive),
+``pixel_shuffle``, ``flip``, ``roll``, ``masked_fill``, ``where`` or ``softmax``: it
+runs them once per column, which is slow for thousands of columns and holds every
+column's result beside the stacked output (memory the budget's bound did not count).
+While the engine's forward pass runs, :func:`ggnchunk._folding.folded_glue` routes those
+calls outside layers with a rule through :class:`_FoldedGlue`: its forward is the user's
+own call (same function, same arguments; nothing of the user's code runs again), and its
+backward runs on all columns at once (:func:`ggnchunk._autograd.on_columns`), with the
+columns folded into the kernels' batch axis:
+
+- **linear calls** (pads, average pooling, pixel shuffles, ``flip``, ``roll``, and
+  ``masked_fill`` and ``where`` in the tensor that needs grad): the transposed Jacobian
+  is torch's own backward of the same call, taken on an input of ``V * N`` samples;
+- **max pooling** (also adaptive): each output's vectors are added at its recorded
+  argmax (``scatter_add``), as torch's kernel does;
+- **softmax** and **log-softmax**: :math:`y \odot (g - \langle g, y\rangle)` and
+  :math:`g - e^{y} \sum g` along the axis, from the recorded output.
+
+A folded node records the arguments of the torch node it stands for under the same
+``_saved_*`` names (``stands_for``: its name), so the windowed glue reads pads and 2-d
+pooling on its boxes as before. Calls it cannot reproduce exactly (an unusual argument,
+a tensor subclass, an input that needs no grad) are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ggnchunk._autograd import on_columns
+
+__all__ = ["FOLDERS", "fold_glue_call", "glue_kernel_workspace"]
+
+
+class _FoldedGlue(torch.autograd.Function):
+    """A glue call whose backward takes all columns at once (see the module)."""
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, x: Tensor) -> Any:
+        result = spec.call(x)
+        out, extra = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+        spec.recorded(ctx, x, out, extra)
+        ctx.spec = spec
+        ctx.in_shape = tuple(x.shape)
+        ctx.workspace = spec.workspace(x.shape, out.shape)
+        if spec.saves_output:
+            ctx.save_for_backward(out)
+        if extra:
+            ctx.mark_non_differentiable(*extra)
+            return (out, *extra)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, *_: Any) -> tuple[None, Tensor | None]:
+        spec, saved = ctx.spec, ctx.saved_tensors
+        (result,) = on_columns([grad], lambda g: (spec.transposed(ctx, g, saved),))
+        return None, result
+
+
+class _Spec:
+    """One call's folded form: the call, its backward on ``[V, *out]`` columns."""
+
+    saves_output = False
+
+    def __init__(self, func: Callable[..., Any], args: dict[str, Any]):
+        self.func, self.args = func, args
+        self.stands_for: str | None = None  # the torch node's name, where read
+        self.saved: dict[str, Any] = {}  # its saved arguments, by their names
+
+    def call(self, x: Tensor) -> Any:
+        return self.func(x, **self.args)
+
+    def recorded(self, ctx: Any, x: Tensor, out: Tensor, extra: tuple) -> None:
+        """Note on the node what the torch node it stands for would have saved."""
+        if self.stands_for is not None:
+            ctx.stands_for = self.stands_for
+            for name, value in self.saved.items():
+                setattr(ctx, f"_saved_{name}", value)
+
+    def workspace(self, in_shape: torch.Size, out_shape: torch.Size) -> int:
+        """Elements per column (all samples) the backward takes beyond its vectors."""
+        return 0
+
+    def transposed(self, ctx: Any, grads: Tensor, saved: tuple) -> Tensor:
+        raise NotImplementedError
+
+
+class _Linear(_Spec):
+    """A linear call acting on the last ``keep`` axes: its own backward, ``V·N`` samples.
+
+    The call is taken on an all-zeros input (one element, expanded) with the columns
+    folded into the leading axis, and autograd's own backward of it gives the columns'
+    transposed Jacobian products: the kernels torch would run per column, run once.
+    """
+
+    def __init__(self, func: Callable[..., Any], args: dict[str, Any], keep: int):
+        super().__init__(func, args)
+        self.keep = keep
+
+    def workspace(self, in_shape: torch.Size, out_shape: torch.Size) -> int:
+        # the call's output on the zeros, and a contiguous copy of the input a
+        # kernel may make
+        return math.prod(in_shape) + math.prod(out_shape)
+
+    def transposed(self, ctx: Any, grads: Tensor, saved: tuple) -> Tensor:
+        shape = ctx.in_shape
+        v = grads.shape[0]
+        lead = v * math.prod(shape[: len(shape) - self.keep])
+        folded = (lead, *shape[len(shape) - self.keep :])
+        zero = torch.zeros((), dtype=grads.dtype, device=grads.device, requires_grad=True)
+        with torch.enable_grad():
+            probe = zero.expand(folded)
+            out = self.call(probe)
+            out = out[0] if isinstance(out, tuple) else out
+            (back,) = torch.autograd.grad(out, probe, grads.reshape(out.shape))
+        return back.reshape(v, *shape)
+
+
+class _MaxPool(_Spec):
+    """Max pooling (``d`` spatial axes, also adaptive): vectors go to the argmax."""
+
+    def __init__(self, func, args, dims: int, indices_asked: bool):
+        super().__init__(func, args)
+        self.dims, self.indices_asked = dims, indices_asked
+        self.indices: Tensor | None = None
+
+    def call(self, x):
+        out, self.indices = self.func(x, **self.args, return_indices=True)
+        return (out, self.indices) if self.indices_asked else out
+
+    def recorded(self, ctx, x, out, extra):
+        super().recorded(ctx, x, out, extra)
+        ctx._saved_result1 = self.indices  # also where the user did not ask for them
+
+    def transposed(self, ctx, grads, saved):
+        indices = ctx._saved_result1  # [*lead, *out_spatial] into the flat input plane
+        v, shape, d = grads.shape[0], ctx.in_shape, self.dims
+        plane = math.prod(shape[len(shape) - d :])
+        flat = grads.reshape(v, *shape[: len(shape) - d], -1)
+        index = indices.reshape(1, *indices.shape[: indices.dim() - d], -1)
+        result = flat.new_zeros(*flat.shape[:-1], plane)
+        return result.scatter_add(-1, index.expand(flat.shape), flat).reshape(v, *shape)
+
+
+class _Softmax(_Spec):
+    saves_output = True
+
+    def __init__(self, func, args, log: bool, x_dtype: torch.dtype):
+        super().__init__(func, args)
+        self.log, self.x_dtype = log, x_dtype
+
+    def workspace(self, in_shape, out_shape):
+        return math.prod(out_shape)  # the product with the output, before its sum
+
+    def transposed(self, ctx, grads, saved):
+        (y,) = saved
+        dim = self.args["dim"] % y.dim() - y.dim()  # from the end: the columns lead
+        if self.log:
+            back = grads - y.exp() * grads.sum(dim, keepdim=True)
+        else:
+            back = y * (grads - (grads * y).sum(dim, keepdim=True))
+        return back.to(self.x_dtype)
+
+
+# -- binding the user's calls ----------------------------------------------------------
+
+
+def _on(spec: _Spec, x: Tensor) -> _Spec:
+    spec.input = x  # the call's tensor that needs grad
+    return spec
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    bound = dict(zip(names, args, strict=False))
+    if len(args) > len(names):
+        return None
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            return None
+        bound[key] = value
+    return bound
+
+
+def _foldable(x: Any) -> bool:
+    return (
+        (type(x) is Tensor or isinstance(x, torch.nn.Parameter))
+        and x.requires_grad and x.dtype.is_floating_point and not x.is_nested
+        and x.layout is torch.strided and torch.is_grad_enabled()
+    )  # fmt: skip
+
+
+def _ints(value: Any, dims: int) -> tuple[int, ...] | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * dims
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        value = tuple(value)
+        if len(value) == 1:
+            return value * dims
+        return value if len(value) == dims else None
+    return None
+
+
+def _pad(args: tuple, kwargs: dict) -> _Spec | None:
+    bound = _bind(("input", "pad", "mode", "value"), args, kwargs)
+    if bound is None or not _foldable(bound.get("input")):
+        return None
+    x, pad = bound["input"], bound.get("pad")
+    mode = bound.get("mode", "constant")
+    if not isinstance(pad, (tuple, list)) or not pad or len(pad) % 2:
+        return None
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in pad):
+        return None
+    d = len(pad) // 2
+    if mode == "constant":
+        if d > x.dim():
+            return None
+        keep = x.dim()
+    elif mode in ("reflect", "replicate", "circular"):
+        if d > 3 or x.dim() not in (d + 1, d + 2):
+            return None
+        keep = d + 1
+    else:
+        return None
+    options = {"pad": list(pad), "mode": mode, "value": bound.get("value")}
+    spec = _Linear(F.pad, options, keep)
+    if mode == "constant":
+        spec.stands_for, spec.saved = "ConstantPadNdBackward0", {"pad": tuple(pad)}
+    elif mode != "circular":
+        kind = "Reflection" if mode == "reflect" else "Replication"
+        spec.stands_for = f"{kind}Pad{d}DBackward0"
+        spec.saved = {"padding": tuple(pad)}
+    return _on(spec, x)
+
+
+def _avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
+    dims = _POOL_DIMS[func]
+    names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+    if dims > 1:
+        names += ("divisor_override",)
+
+    def fold(args: tuple, kwargs: dict) -> _Spec | None:
+        bound = _bind(names, args, kwargs)
+        if bound is None or not _foldable(bound.get("input")):
+            return None
+        x = bound.pop("input")
+        if x.dim() not in (dims + 1, dims + 2):
+            return None
+        spec = _Linear(func, bound, dims + 1)
+        kernel = _ints(bound.get("kernel_size"), dims)
+        stride = bound.get("stride")
+        stride = kernel if stride is None or stride == [] else _ints(stride, dims)
+        padding = _ints(bound.get("padding", 0), dims)
+        if dims == 2 and x.dim() == 4 and None not in (kernel, stride, padding):
+            spec.stands_for = "AvgPool2DBackward0"
+            spec.saved = {
+                "kernel_size": kernel, "stride": stride, "padding": padding,
+                "ceil_mode": bool(bound.get("ceil_mode", False)),
+                "count_include_pad": bool(bound.get("count_include_pad", True)),
+                "divisor_override": bound.get("divisor_override"),
+            }  # fmt: skip
+        return _on(spec, x)
+
+    return fold
+
+
+def _adaptive_avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
+    dims = _POOL_DIMS[func]
+
+    def fold(args: tuple, kwargs: dict) -> _Spec | None:
+        bound = _bind(("input", "output_size"), args, kwargs)
+        if bound is None or not _foldable(bound.get("input")):
+            return None
+        x = bound.pop("input")
+        if x.dim() not in (dims + 1, dims + 2):
+            return None
+        return _on(_Linear(func, bound, dims + 1), x)
+
+    return fold
+
+
+def _max_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
+    dims, adaptive = _POOL_DIMS[func], func in _ADAPTIVE_MAX
+    names = (
+        ("input", "output_size", "return_indices") if adaptive
+        else ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+              "return_indices")
+    )  # fmt: skip
+    with_indices = _WITH_INDICES[func]
+
+    def fold(args: tuple, kwargs: dict) -> _Spec | None:
+        bound = _bind(names, args, kwargs)
+        if bound is None or not _foldable(bound.get("input")):
+            return None
+        x = bound.pop("input")
+        if x.dim() not in (dims + 1, dims + 2):
+            return None
+        asked = bool(bound.pop("return_indices", False))
+        spec = _MaxPool(with_indices, bound, dims, asked)
+        if not adaptive and dims == 2 and x.dim() == 4:
+            kernel = _ints(bound.get("kernel_size"), 2)
+            stride = bound.get("stride")
+            stride = kernel if stride is None or stride == [] else _ints(stride, 2)
+            padding = _ints(bound.get("padding", 0), 2)
+            dilation = _ints(bound.get("dilation", 1), 2)
+            if None not in (kernel, stride, padding, dilation):  # read on boxes
+                spec.stands_for = "MaxPool2DWithIndicesBackward0"
+                spec.saved = {
+                    "kernel_size": kernel, "stride": stride, "padding": padding,
+                    "dilation": dilation, "ceil_mode": bool(bound.get("ceil_mode", False)),
+                }  # fmt: skip
+        return _on(spec, x)
+
+    return fold
+
+
+def _softmax(log: bool, names: tuple[str, ...]) -> Callable[[tuple, dict], _Spec | None]:
+    def fold(args: tuple, kwargs: dict) -> _Spec | None:
+        bound = _bind(names, args, kwargs)
+        if bound is None or not _foldable(bound.get("input")):
+            return None
+        x = bound.pop("input")
+        dim, dtype = bound.get("dim"), bound.get("dtype")
+        if not isinstance(dim, int) or isinstance(dim, bool) or x.dim() == 0:
+            return None
+        if not -x.dim() <= dim < x.dim():
+            return None
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        if dtype is not None and not floating:
+            return None
+        return _on(_Softmax(_SOFTMAX[log], {"dim": dim, "dtype": dtype}, log, x.dtype), x)
+
+    return fold
+
+
+def _flip(args: tuple, kwargs: dict) -> _Spec | None:
+    if len(args) > 2 and not kwargs:  # x.flip(-1, -2)
+        args = (args[0], list(args[1:]))
+    bound = _bind(("input", "dims"), args, kwargs)
+    if bound is None or not _foldable(bound.get("input")):
+        return None
+    x, dims = bound["input"], bound.get("dims")
+    dims = _axes(dims, x.dim())
+    if dims is None:
+        return None
+    return _on(_Linear(torch.flip, {"dims": dims}, x.dim()), x)
+
+
+def _roll(args: tuple, kwargs: dict) -> _Spec | None:
+    bound = _bind(("input", "shifts", "dims"), args, kwargs)
+    if bound is None or not _foldable(bound.get("input")):
+        return None
+    x, shifts, dims = bound["input"], bound.get("shifts"), bound.get("dims")
+    if dims is None or (isinstance(dims, (tuple, list)) and not dims):
+        return None  # a roll of the flattened tensor mixes samples
+    axes = _axes(dims, x.dim())
+    if axes is None:
+        return None
+    shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in shifts):
+        return None
+    return _on(_Linear(torch.roll, {"shifts": shifts, "dims": axes}, x.dim()), x)
+
+
+def _shuffle(unshuffle: bool) -> Callable[[tuple, dict], _Spec | None]:
+    name = "downscale_factor" if unshuffle else "upscale_factor"
+    func = F.pixel_unshuffle if unshuffle else F.pixel_shuffle
+
+    def fold(args: tuple, kwargs: dict) -> _Spec | None:
+        bound = _bind(("input", name), args, kwargs)
+        if bound is None or not _foldable(bound.get("input")) or bound["input"].dim() < 3:
+            return None
+        factor = bound.get(name)
+        if not isinstance(factor, int) or isinstance(factor, bool):
+            return None
+        spec = _Linear(func, {name: factor}, 3)
+        spec.stands_for = (
+            "PixelUnshuffleBackward0" if unshuffle else "PixelShuffleBackward0"
+        )
+        spec.saved = {name: factor}
+        return _on(spec, bound["input"])
+
+    return fold
+
+
+def _masked_fill(args: tuple, kwargs: dict) -> _Spec | None:
+    bound = _bind(("input", "mask", "value"), args, kwargs)
+    if bound is None or not _foldable(bound.get("input")):
+        return None
+    x, mask, value = bound["input"], bound.get("mask"), bound.get("value")
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() > x.dim():
+        return None
+    if isinstance(value, Tensor) and (value.requires_grad or value.dim() != 0):
+        return None
+    if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
+        return None
+    return _on(_Linear(torch.masked_fill, {"mask": mask, "value": value}, x.dim()), x)
+
+
+def _where(args: tuple, kwargs: dict) -> _Spec | None:
+    bound = _bind(("condition", "input", "other"), args, kwargs)
+    if bound is None or len(bound) != 3:
+        return None
+    condition, a, b = bound["condition"], bound["input"], bound["other"]
+    if not isinstance(condition, Tensor) or condition.dtype != torch.bool:
+        return None
+    grads = [isinstance(t, Tensor) and t.requires_grad for t in (a, b)]
+    if grads != [True, False] and grads != [False, True]:
+        return None
+    x, other = (a, b) if grads[0] else (b, a)
+    if not _foldable(x) or (isinstance(other, Tensor) and other.dtype != x.dtype):
+        return None
+    try:
+        shape = torch.broadcast_shapes(condition.shape, x.shape,
+                                       getattr(other, "shape", ()))  # fmt: skip
+    except RuntimeError:
+        return None
+    if shape != x.shape:
+        return None  # the input broadcast: its gradient is a sum (left to torch)
+    first = grads[0]
+
+    def where(t: Tensor) -> Tensor:
+        return (
+            torch.where(condition, t, other) if first else torch.where(condition, other, t)
+        )
+
+    return _on(_Linear(where, {}, x.dim()), x)
+
+
+def _axes(dims: Any, rank: int) -> list[int] | None:
+    """Axes counted from the end (so a leading axis of columns leaves them), or None."""
+    dims = [dims] if isinstance(dims, int) else dims
+    if not isinstance(dims, (tuple, list)) or not dims:
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    if not all(-rank <= d < rank for d in dims) or rank == 0:
+        return None
+    axes = [d % rank - rank for d in dims]
+    if -rank in axes and rank > 1:
+        return None  # the first axis: samples (left to torch)
+    return axes
+
+
+_POOL_DIMS = {
+    F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3,
+    F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+    F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3,
+    F.max_pool1d_with_indices: 1, F.max_pool2d_with_indices: 2,
+    F.max_pool3d_with_indices: 3,
+    F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3,
+    F.adaptive_max_pool1d_with_indices: 1, F.adaptive_max_pool2d_with_indices: 2,
+    F.adaptive_max_pool3d_with_indices: 3,
+}  # fmt: skip
+_WITH_INDICES = {
+    F.max_pool1d: F.max_pool1d_with_indices, F.max_pool2d: F.max_pool2d_with_indices,
+    F.max_pool3d: F.max_pool3d_with_indices,
+    F.max_pool1d_with_indices: F.max_pool1d_with_indices,
+    F.max_pool2d_with_indices: F.max_pool2d_with_indices,
+    F.max_pool3d_with_indices: F.max_pool3d_with_indices,
+    F.adaptive_max_pool1d: F.adaptive_max_pool1d_with_indices,
+    F.adaptive_max_pool2d: F.adaptive_max_pool2d_with_indices,
+    F.adaptive_max_pool3d: F.adaptive_max_pool3d_with_indices,
+    F.adaptive_max_pool1d_with_indices: F.adaptive_max_pool1d_with_indices,
+    F.adaptive_max_pool2d_with_indices: F.adaptive_max_pool2d_with_indices,
+    F.adaptive_max_pool3d_with_indices: F.adaptive_max_pool3d_with_indices,
+}  # fmt: skip
+_ADAPTIVE_MAX = frozenset({
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+    F.adaptive_max_pool1d_with_indices, F.adaptive_max_pool2d_with_indices,
+    F.adaptive_max_pool3d_with_indices,
+})  # fmt: skip
+_ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+_SOFTMAX = {False: torch.softmax, True: torch.log_softmax}
+
+FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | None]] = {
+    F.pad: _pad,
+    **{f: _avg_pool(f) for f in (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)},
+    **{f: _adaptive_avg_pool(f) for f in _ADAPTIVE_AVG},
+    **{f: _max_pool(f) for f in _WITH_INDICES},
+    F.softmax: _softmax(False, ("input", "dim", "_stacklevel", "dtype")),
+    F.log_softmax: _softmax(True, ("input", "dim", "_stacklevel", "dtype")),
+    torch.softmax: _softmax(False, ("input", "dim", "dtype")),
+    torch.log_softmax: _softmax(True, ("input", "dim", "dtype")),
+    Tensor.softmax: _softmax(False, ("input", "dim", "dtype")),
+    Tensor.log_softmax: _softmax(True, ("input", "dim", "dtype")),
+    torch.flip: _flip,
+    Tensor.flip: _flip,
+    torch.roll: _roll,
+    Tensor.roll: _roll,
+    F.pixel_shuffle: _shuffle(False),
+    F.pixel_unshuffle: _shuffle(True),
+    torch.masked_fill: _masked_fill,
+    Tensor.masked_fill: _masked_fill,
+    torch.where: _where,
+}
+"""The glue calls folded, by the function torch's function mode sees."""
+
+
+def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The folded call, or ``None`` where it would not be the same computation.
+
+    Args:
+        func: The function torch's function mode saw.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The call's output (the user's own call), with a backward on all columns.
+    """
+    fold = FOLDERS.get(func)
+    spec = None if fold is None else fold(args, kwargs)
+    if spec is None:
+        return None
+    return _FoldedGlue.apply(spec, spec.input)
+
+
+def glue_kernel_workspace(node: Any) -> int:
+    """Elements per column a folded glue node's backward takes beyond its vectors.
+
+    Args:
+        node: An autograd node of the glue.
+
+    Returns:
+        The workspace (all samples together), or 0 for other nodes.
+    """
+    if isinstance(node, _FoldedGlue._backward_cls):
+        return int(getattr(node, "workspace", 0))
+    return 0

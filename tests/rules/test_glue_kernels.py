@@ -1,0 +1,299 @@
+"""Pads, pooling, flips, rolls and softmax in the glue: all columns at once, exact.
+
+torch's batching has no rule for these calls' backward kernels, so in the glue between
+layers they ran once per column (and held every column's result beside the stacked
+output). The engine's forward routes them through :mod:`ggnchunk._glue_kernels`.
+Checked here: a folded call's output is the user's call's (bit for bit), its batched
+backward equals autograd's per-column backward on every mode and option and takes no
+per-column loop, one unbatched gradient is right too, calls inside layers with a rule
+are not folded, and models written with such glue (also torchvision's and timm-style
+code) match the float64 brute force in every chunking mode and with a batch of one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ggnchunk
+from ggnchunk._autograd import batched_grad
+from ggnchunk._folding import folded_glue, glue_workspace
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+# name: (input shape, the call)
+CALLS = {
+    "pad-constant": ((2, 3, 5, 6), lambda x: F.pad(x, [1, 0, 2, 1])),
+    "pad-crop": ((2, 3, 5, 6), lambda x: F.pad(x, [-1, 1, 1, -2])),
+    "pad-value-channels": ((2, 3, 5, 6), lambda x: F.pad(x, (1, 1, 0, 0, 2, 1), value=0.7)),
+    "pad-constant-1d-unbatched": ((3, 7), lambda x: F.pad(x, (2, 3))),
+    "pad-reflect-1d": ((2, 3, 7), lambda x: F.pad(x, (2, 3), mode="reflect")),
+    "pad-reflect-2d": ((2, 3, 5, 6), lambda x: F.pad(x, (1, 2, 3, 1), mode="reflect")),
+    "pad-reflect-2d-unbatched": (
+        (3, 5, 6),
+        lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"),
+    ),
+    "pad-reflect-3d": (
+        (2, 2, 3, 4, 5),
+        lambda x: F.pad(x, (1, 2, 1, 1, 2, 0), mode="reflect"),
+    ),
+    "pad-replicate-2d": ((2, 3, 5, 6), lambda x: F.pad(x, (2, 0, 1, 3), mode="replicate")),
+    "pad-replicate-1d": ((2, 3, 6), lambda x: F.pad(x, (3, 1), mode="replicate")),
+    "pad-replicate-3d": (
+        (1, 2, 3, 4, 5),
+        lambda x: F.pad(x, (1, 1, 2, 0, 1, 2), mode="replicate"),
+    ),
+    "pad-circular-2d": ((2, 3, 5, 6), lambda x: F.pad(x, (2, 1, 1, 3), mode="circular")),
+    "pad-circular-1d": ((2, 3, 6), lambda x: F.pad(x, (3, 2), mode="circular")),
+    "zero-pad-module": ((2, 3, 5, 6), nn.ZeroPad2d((1, 2, 0, 1))),
+    "reflection-pad-module": ((2, 3, 5, 6), nn.ReflectionPad2d(2)),
+    "max-pool-2d-overlap": ((2, 3, 9, 8), lambda x: F.max_pool2d(x, 3, 2, 1)),
+    "max-pool-2d-ceil-dilated": (
+        (2, 3, 9, 10),
+        lambda x: F.max_pool2d(x, (2, 3), (2, 1), (1, 1), dilation=(2, 1), ceil_mode=True),
+    ),
+    "max-pool-2d-indices": (
+        (2, 3, 8, 8),
+        lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+    ),
+    "max-pool-2d-unbatched": ((3, 8, 6), lambda x: F.max_pool2d(x, 2)),
+    "max-pool-1d": ((2, 3, 11), lambda x: F.max_pool1d(x, 3, stride=2, padding=1)),
+    "max-pool-3d": ((2, 2, 4, 6, 5), lambda x: F.max_pool3d(x, 2, ceil_mode=True)),
+    "max-pool-ties": ((2, 3, 8, 8), lambda x: F.max_pool2d(x, 3, 1)),  # ties in x
+    "max-pool-module-3d": ((2, 2, 4, 6, 6), nn.MaxPool3d((2, 3, 3), stride=2, padding=1)),
+    "adaptive-max-2d": ((2, 3, 9, 7), lambda x: F.adaptive_max_pool2d(x, (4, 3))),
+    "adaptive-max-1d": ((2, 3, 10), lambda x: F.adaptive_max_pool1d(x, 4)),
+    "avg-pool-2d-padded": ((2, 3, 9, 8), lambda x: F.avg_pool2d(x, 3, 2, 1)),
+    "avg-pool-2d-exclude-ceil": (
+        (2, 3, 9, 8),
+        lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    ),
+    "avg-pool-2d-divisor": ((2, 3, 8, 8), lambda x: F.avg_pool2d(x, 2, divisor_override=3)),
+    "avg-pool-2d-tiles": ((2, 3, 8, 8), lambda x: F.avg_pool2d(x, 2)),
+    "avg-pool-1d": ((2, 3, 11), lambda x: F.avg_pool1d(x, 3, 2, 1)),
+    "avg-pool-3d": ((2, 2, 4, 6, 5), lambda x: F.avg_pool3d(x, 2, padding=1)),
+    "adaptive-avg-2d": ((2, 3, 9, 7), lambda x: F.adaptive_avg_pool2d(x, (4, 3))),
+    "adaptive-avg-global": ((2, 3, 9, 7), lambda x: F.adaptive_avg_pool2d(x, 1)),
+    "adaptive-avg-1d": ((2, 3, 10), lambda x: F.adaptive_avg_pool1d(x, 3)),
+    "adaptive-avg-3d": ((2, 2, 4, 6, 5), lambda x: F.adaptive_avg_pool3d(x, (2, 3, 2))),
+    "adaptive-avg-module": ((2, 3, 9, 7), nn.AdaptiveAvgPool2d((3, None))),
+    "flip": ((2, 3, 5, 6), lambda x: x.flip(-1)),
+    "flip-two": ((2, 3, 5, 6), lambda x: torch.flip(x, [1, 3])),
+    "flip-varargs": ((2, 3, 5, 6), lambda x: x.flip(-1, -2)),
+    "roll": ((2, 3, 5, 6), lambda x: x.roll(2, -1)),
+    "roll-two": ((2, 3, 5, 6), lambda x: torch.roll(x, shifts=(-1, 3), dims=(2, 3))),
+    "softmax": ((2, 3, 5, 6), lambda x: F.softmax(x, dim=-1)),
+    "softmax-channels": ((2, 3, 5, 6), lambda x: x.softmax(1)),
+    # float32 inputs, the softmax taken in float64 (its backward too, then cast)
+    "softmax-dtype": ((2, 3, 5), lambda x: torch.softmax(x, 1, dtype=torch.float64)),
+    "softmax-module": ((2, 4, 6), nn.Softmax(dim=-2)),
+    "log-softmax": ((2, 3, 5, 6), lambda x: F.log_softmax(x, dim=2)),
+    "log-softmax-method": ((2, 7), lambda x: x.log_softmax(-1)),
+    "pixel-shuffle": ((2, 8, 3, 4), lambda x: F.pixel_shuffle(x, 2)),
+    "pixel-unshuffle-module": ((2, 2, 6, 4), nn.PixelUnshuffle(2)),
+    "pixel-shuffle-unbatched": ((9, 2, 3), nn.PixelShuffle(3)),
+    "masked-fill": (
+        (2, 3, 4, 4),
+        lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
+    ),
+    "masked-fill-tensor-value": (
+        (2, 3, 4),
+        lambda x: torch.masked_fill(
+            x, torch.tensor([True, False, True, False]), torch.tensor(2.0)
+        ),
+    ),
+    "where-input": (
+        (2, 3, 4, 4),
+        lambda x: torch.where(torch.ones(4, 4).bool().tril(), x, -1e4),
+    ),
+    "where-other": (
+        (2, 3, 4),
+        lambda x: torch.where(
+            torch.tensor([True, False, True, False]), torch.zeros(4).double(), x
+        ),
+    ),
+}
+
+
+def _per_column(y, x, grads):
+    """Autograd's backward, one column at a time (no batching)."""
+    rows = [torch.autograd.grad(y, x, g, retain_graph=True)[0] for g in grads]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_folded_glue_call_is_the_users_call_with_the_same_backward(name):
+    shape, call = CALLS[name]
+    torch.manual_seed(0)
+    dtype = torch.float32 if "dtype" in name else torch.float64
+    tol = 1e-12 if dtype == torch.float64 else 1e-6  # the input's precision
+    x = torch.randn(shape, dtype=dtype)
+    if "ties" in name:  # equal values inside windows: the recorded argmax decides
+        x = x.mul(2).round().div(2)
+    x.requires_grad_(True)
+    expected = call(x)
+    with folded_glue():
+        got = call(x)
+    assert type(got.grad_fn).__name__ == "_FoldedGlueBackward", "the call was not folded"
+    assert torch.equal(got, expected), "the folded call computed something else"
+    assert glue_workspace(got.grad_fn) >= 0
+    grads = torch.randn(5, *got.shape, dtype=got.dtype)
+    seen: list[str] = []
+    (batched,) = batched_grad([got], [x], [grads], note=seen.append)
+    assert not seen, f"columns looped over: {seen}"
+    reference = _per_column(expected, x, grads)
+    torch.testing.assert_close(batched, reference, rtol=tol, atol=tol)
+    # one gradient, not batched (the engine's single-column paths)
+    (single,) = torch.autograd.grad(got, x, grads[1], retain_graph=True)
+    torch.testing.assert_close(single, reference[1], rtol=tol, atol=tol)
+    # the same columns through torch's own (unfolded) batched backward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (unfolded,) = torch.autograd.grad(
+            expected, x, grads, retain_graph=True, is_grads_batched=True
+        )
+    torch.testing.assert_close(batched, unfolded, rtol=tol, atol=tol)
+
+
+def test_indices_asked_for_are_returned_and_not_differentiable():
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    out, idx = F.max_pool2d(x, 2, return_indices=True)
+    with folded_glue():
+        got, got_idx = F.max_pool2d(x, 2, return_indices=True)
+    assert torch.equal(got, out) and torch.equal(got_idx, idx)
+    assert not got_idx.requires_grad and got_idx.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: F.pad(x, (1, 1)).detach(),  # no grad: not folded
+        lambda x: x.flip(0),  # the samples' axis
+        lambda x: x.roll(1),  # the flattened tensor
+        lambda x: x.softmax(None) if False else F.softmax(x, dim=None, _stacklevel=3),
+    ],
+)
+def test_calls_that_mix_samples_or_need_no_grad_are_left_to_torch(call):
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # F.softmax's implicit dim
+        expected = call(x)
+        with folded_glue():
+            got = call(x)
+    assert got.grad_fn is None or "Folded" not in type(got.grad_fn).__name__
+    assert torch.equal(got, expected)
+
+
+def test_pooling_layers_with_a_rule_keep_their_own_nodes():
+    pool = nn.MaxPool2d(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), pool, nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(2, 2, 8, 8)
+    model(x)
+    with folded_glue():
+        from ggnchunk._folding import layer_entered, layer_left
+
+        layer_entered()  # as the recording's pre-hook does for a layer with a rule
+        try:
+            out = pool(torch.randn(2, 3, 6, 6, requires_grad=True))
+        finally:
+            layer_left()
+    assert type(out.grad_fn).__name__ == "MaxPool2DWithIndicesBackward0"
+
+
+class GlueNet(nn.Module):
+    """Convolutions and a Linear head, joined by the folded glue calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.conv3 = nn.Conv2d(4, 3, 2)
+        self.head = nn.Linear(3 * 2 * 2 + 4, 3)
+
+    def forward(self, x):
+        h = F.pad(x, (1, 1, 1, 1), mode="circular")
+        h = torch.tanh(self.conv1(h))  # 12 -> 12
+        h = F.max_pool2d(h, 3, 2, 1)  # 6
+        h = F.pad(h, (1, 0, 0, 1), mode="reflect").flip(-1)  # 7
+        h = self.conv2(h).roll(1, -2)
+        h = F.avg_pool2d(h, 3, 2, 1, count_include_pad=False)  # 4
+        h = h * F.softmax(h, dim=1)
+        pooled = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        h = F.adaptive_max_pool2d(self.conv3(F.pad(h, (0, 1, 1, 0), mode="replicate")), 2)
+        return self.head(torch.cat([h.flatten(1), pooled], 1))
+
+
+class EagerAttention(nn.Module):
+    """GPT-2's eager attention written out: softmax of masked scores, then values."""
+
+    def __init__(self, dim=8, heads=2, vocab=11):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+        self.heads = heads
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        n, t, d = h.shape
+        q, k, v = self.qkv(h).split(d, dim=2)
+        q, k, v = (z.view(n, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        mixed = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(n, t, d)
+        h = h + self.proj(mixed)
+        return self.out(h).log_softmax(-1)
+
+
+def _glue_net():
+    x = torch.randn(3, 2, 12, 12, dtype=torch.float64)
+    return GlueNet().double(), x, nn.CrossEntropyLoss(), torch.tensor([0, 2, 1])
+
+
+def _eager_attention():
+    tokens = torch.randint(0, 11, (2, 5))
+    return EagerAttention().double(), tokens, _TokenNLL(), torch.randint(0, 11, (2, 5))
+
+
+class _TokenNLL(nn.Module):
+    """Per-token negative log-likelihood of log-probabilities ``[N, T, V]``."""
+
+    reduction = "mean"
+
+    def forward(self, logp, target):
+        return F.nll_loss(logp.flatten(0, 1), target.flatten())
+
+
+MODELS = {"glue-net": _glue_net, "eager-attention": _eager_attention}
+CHUNKINGS = ({"num_chunks": 1}, {"num_chunks": 4}, {"max_memory": "128MiB"})
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
+@pytest.mark.parametrize("kwargs", CHUNKINGS, ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_models_with_folded_glue_match_the_brute_force(name, kwargs):
+    torch.manual_seed(1)
+    model, x, loss_func, y = MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)  # no column loops
+        got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, expected, rtol=1e-9, label=f"{name} {kwargs}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_models_with_folded_glue_on_a_batch_of_one(name):
+    torch.manual_seed(2)
+    model, x, loss_func, y = MODELS[name]()
+    x, y = x[:1], y[:1]
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, expected, rtol=1e-9, label=f"{name} batch of one")
+    per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)
+    for name_, value in per_sample.items():
+        torch.testing.assert_close(value[0], got[name_], rtol=1e-9, atol=1e-12)
