@@ -287,9 +287,68 @@ def tiny_gpt(scale: int = 1) -> Problem:
     return TinyGPT(), nn.CrossEntropyLoss(), ids[:, :-1], ids[:, 1:]
 
 
+class _EagerBlock(_CausalBlock):
+    """:class:`_CausalBlock` with attention written out, as GPT-2's eager attention.
+
+    Scores, ``torch.where`` of the causal mask, ``softmax``, then the values.
+    """
+
+    def forward(self, h):
+        n, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).split(d, dim=-1)
+        q, k, v = (a.reshape(n, t, self.heads, -1).transpose(1, 2) for a in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
+        scores = torch.where(causal, scores, torch.finfo(scores.dtype).min)
+        att = nn.functional.softmax(scores, dim=-1) @ v
+        h = h + self.proj(att.transpose(1, 2).reshape(n, t, d))
+        return h + self.mlp(self.ln2(h))
+
+
+def gpt_eager(scale: int = 1) -> Problem:
+    """:class:`TinyGPT` with eager attention (vocabulary 200, 16 tokens), per-token CE.
+
+    2 sequences of 16 token ids: 200 columns per token (6,400 in all). Its glue
+    (``torch.where``, ``softmax``) is what transformers' eager attention runs.
+    """
+    model = TinyGPT(vocab=200, length=16)
+    model.blocks = nn.Sequential(*(_EagerBlock(64, 4) for _ in range(2)))
+    ids = torch.randint(0, 200, (2 * scale, 17))
+    return model, nn.CrossEntropyLoss(), ids[:, :-1], ids[:, 1:]
+
+
+class _ReflectResidual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.ReflectionPad2d(1), nn.Conv2d(width, width, 3), nn.ReLU(),
+            nn.ReflectionPad2d(1), nn.Conv2d(width, width, 3),
+        )  # fmt: skip
+
+    def forward(self, h):
+        return h + self.body(h)
+
+
+def reflect_generator(scale: int = 1) -> Problem:
+    """CycleGAN-style generator (reflection pads, residual blocks) on ``[2, 3, 32, 32]``.
+
+    Without its instance norms: the glue is reflection padding, sums and activations.
+    """
+    model = nn.Sequential(
+        nn.ReflectionPad2d(3), nn.Conv2d(3, 8, 7), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+        _ReflectResidual(16), _ReflectResidual(16),
+        nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
+        nn.ReflectionPad2d(3), nn.Conv2d(8, 3, 7), nn.Tanh(),
+    )  # fmt: skip
+    x = torch.randn(2 * scale, 3, 32, 32)
+    return model, nn.MSELoss(), x, torch.randn_like(x)
+
+
 PROBLEMS.update(
-    lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt
-)
+    lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
+    gpt_eager=gpt_eager, reflect_generator=reflect_generator,
+)  # fmt: skip
 DEFAULT_PROBLEMS += ("lraspp_frozen", "resnet18_frozen", "tiny_gpt")
 QUICK_SKIPPED = frozenset({"lraspp_frozen", "tiny_gpt"})
 """Default rows ``--quick`` leaves out (minutes each on a CPU); ``--only`` runs them."""

@@ -65,6 +65,99 @@ class _FoldedGlue(torch.autograd.Function):
         return None, result
 
 
+class _FoldedNorm(torch.autograd.Function):
+    """A normalization in the glue (input statistics) whose backward takes all columns."""
+
+    @staticmethod
+    def forward(ctx, spec: _Norm, x: Tensor, weight: Tensor | None, bias: Tensor | None):
+        out = spec.call(x, weight, bias)
+        ctx.spec = spec
+        ctx.workspace = 3 * x.numel()  # the products with the weight and the normalized
+        ctx.save_for_backward(x, weight)  # input, and their sums' broadcast
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
+        results = on_columns([grad], lambda g: spec.transposed(x, weight, g, needs))
+        return (None, *results)
+
+
+class _Norm:
+    r"""Layer, group or instance normalization: statistics over the last axis of a view.
+
+    The input is viewed as ``[A, B, M]`` (statistics over ``M`` for each of the ``A·B``
+    rows; ``B`` the groups or channels a weight entry belongs to), the columns as
+    ``[V, A, B, M]``. With :math:`\hat x` the normalized input, :math:`r` the reciprocal
+    standard deviation and :math:`u = g \odot w` (the weight broadcast):
+    :math:`\partial x = r\,(u - \bar u - \hat x\,\overline{u \hat x})` (bars: means
+    over ``M``), :math:`\partial w = \sum g \hat x` and :math:`\partial b = \sum g` over
+    the positions a weight entry scales.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        args: dict[str, Any],
+        view: tuple[int, ...],
+        eps: float,
+        shape: tuple[int, ...] | None,
+    ):
+        self.func, self.args, self.view, self.eps = func, args, view, eps
+        self.shape = shape  # the weight's, for a layer norm; None: one per channel
+
+    def call(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        return self.func(x, weight=weight, bias=bias, **self.args)
+
+    def _weight_rows(self, weight: Tensor) -> Tensor:
+        """The weight as ``[B, M]`` (``[1, M]`` for a layer norm)."""
+        _, b, m = self.view
+        if self.shape is not None:
+            return weight.reshape(1, m)
+        per = weight.reshape(b, -1, 1)  # [B, channels per row, 1]
+        return per.expand(b, per.shape[1], m // per.shape[1]).reshape(b, m)
+
+    def _to_weight(self, rows: Tensor, channels: int) -> Tensor:
+        """``[V, B, M]`` (summed over ``A``) as ``[V, *weight.shape]``."""
+        v = rows.shape[0]
+        if self.shape is not None:
+            return rows.reshape(v, *self.shape)
+        return rows.reshape(v, channels, -1).sum(-1)
+
+    def transposed(self, x: Tensor, weight: Tensor | None, grads: Tensor,
+                   needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:  # fmt: skip
+        """The columns' products at the input, the weight and the bias.
+
+        Args:
+            x: The recorded input.
+            weight: The recorded weight, or ``None``.
+            grads: The columns at the output, ``[V, *x.shape]``.
+            needs: Which of input, weight and bias need them.
+
+        Returns:
+            ``[V, *x.shape]``, ``[V, *weight.shape]``, ``[V, *bias.shape]`` (or ``None``).
+        """
+        v, (a, b, m) = grads.shape[0], self.view
+        xr = x.detach().reshape(a, b, m)
+        mean = xr.mean(-1, keepdim=True)
+        rstd = (xr.var(-1, unbiased=False, keepdim=True) + self.eps).rsqrt()
+        xhat = (xr - mean) * rstd
+        g = grads.reshape(v, a, b, m)
+        channels = x.shape[1] if x.dim() > 1 else 1
+        dx = dw = db = None
+        if needs[0]:
+            u = g if weight is None else g * self._weight_rows(weight.detach())
+            dx = rstd * (u - u.mean(-1, keepdim=True)
+                         - xhat * (u * xhat).mean(-1, keepdim=True))  # fmt: skip
+            dx = dx.reshape(v, *x.shape)
+        if needs[1] and weight is not None:
+            dw = self._to_weight((g * xhat).sum(1), channels)
+        if needs[2]:
+            db = self._to_weight(g.sum(1), channels)
+        return dx, dw, db
+
+
 class _Spec:
     """One call's folded form: the call, its backward on ``[V, *out]`` columns."""
 
@@ -436,6 +529,93 @@ def _where(args: tuple, kwargs: dict) -> _Spec | None:
     return _on(_Linear(where, {}, x.dim()), x)
 
 
+def _affine(value: Any, x: Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether a norm's weight or bias is absent or a plain tensor of ``shape``."""
+    if value is None:
+        return True
+    return (
+        (type(value) is Tensor or isinstance(value, torch.nn.Parameter))
+        and value.dtype == x.dtype and tuple(value.shape) == shape
+        and value.layout is torch.strided
+    )  # fmt: skip
+
+
+def _norm_input(x: Any, *affine: Any) -> bool:
+    """A norm's input: floating, plain, and something of the call needs grad."""
+    if not (type(x) is Tensor or isinstance(x, torch.nn.Parameter)):
+        return False
+    if not x.dtype.is_floating_point or x.is_nested or x.layout is not torch.strided:
+        return False
+    needs = x.requires_grad or any(
+        isinstance(t, Tensor) and t.requires_grad for t in affine
+    )
+    return needs and torch.is_grad_enabled()
+
+
+def _layer_norm(args: tuple, kwargs: dict) -> _Norm | None:
+    bound = _bind(("input", "normalized_shape", "weight", "bias", "eps"), args, kwargs)
+    if bound is None:
+        return None
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if not _norm_input(x, w, b):
+        return None
+    shape = bound.get("normalized_shape")
+    shape = (shape,) if isinstance(shape, int) else shape
+    if not isinstance(shape, (tuple, list, torch.Size)) or not shape:
+        return None
+    shape = tuple(shape)
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape or len(shape) > x.dim():
+        return None
+    if not (_affine(w, x, shape) and _affine(b, x, shape)):
+        return None
+    eps = float(bound.get("eps", 1e-5))
+    lead = math.prod(x.shape[: x.dim() - len(shape)])
+    spec = _Norm(F.layer_norm, {"normalized_shape": list(shape), "eps": eps},
+                 (lead, 1, math.prod(shape)), eps, shape)  # fmt: skip
+    spec.input, spec.weight, spec.bias = x, w, b
+    return spec
+
+
+def _group_norm(args: tuple, kwargs: dict) -> _Norm | None:
+    bound = _bind(("input", "num_groups", "weight", "bias", "eps"), args, kwargs)
+    if bound is None:
+        return None
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    groups = bound.get("num_groups")
+    if not _norm_input(x, w, b) or x.dim() < 2 or not isinstance(groups, int):
+        return None
+    channels = x.shape[1]
+    if groups <= 0 or channels % groups or x.numel() == 0:
+        return None
+    if not (_affine(w, x, (channels,)) and _affine(b, x, (channels,))):
+        return None
+    eps = float(bound.get("eps", 1e-5))
+    view = (x.shape[0], groups, x.numel() // (x.shape[0] * groups))
+    spec = _Norm(F.group_norm, {"num_groups": groups, "eps": eps}, view, eps, None)
+    spec.input, spec.weight, spec.bias = x, w, b
+    return spec
+
+
+def _instance_norm(args: tuple, kwargs: dict) -> _Norm | None:
+    names = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+             "momentum", "eps")  # fmt: skip
+    bound = _bind(names, args, kwargs)
+    if bound is None or not bound.get("use_input_stats", True):
+        return None  # running statistics: an affine map per channel, batched already
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if not _norm_input(x, w, b) or x.dim() < 3 or x.numel() == 0:
+        return None
+    channels = x.shape[1]
+    if not (_affine(w, x, (channels,)) and _affine(b, x, (channels,))):
+        return None
+    eps = float(bound.get("eps", 1e-5))
+    options = {k: v for k, v in bound.items() if k not in ("input", "weight", "bias")}
+    view = (x.shape[0], channels, x.numel() // (x.shape[0] * channels))
+    spec = _Norm(F.instance_norm, options, view, eps, None)
+    spec.input, spec.weight, spec.bias = x, w, b
+    return spec
+
+
 def _axes(dims: Any, rank: int) -> list[int] | None:
     """Axes counted from the end (so a leading axis of columns leaves them), or None."""
     dims = [dims] if isinstance(dims, int) else dims
@@ -482,7 +662,7 @@ _ADAPTIVE_MAX = frozenset({
 _ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
 _SOFTMAX = {False: torch.softmax, True: torch.log_softmax}
 
-FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | None]] = {
+FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _Norm | None]] = {
     F.pad: _pad,
     **{f: _avg_pool(f) for f in (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)},
     **{f: _adaptive_avg_pool(f) for f in _ADAPTIVE_AVG},
@@ -502,6 +682,9 @@ FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | None]] = {
     torch.masked_fill: _masked_fill,
     Tensor.masked_fill: _masked_fill,
     torch.where: _where,
+    F.layer_norm: _layer_norm,
+    F.group_norm: _group_norm,
+    F.instance_norm: _instance_norm,
 }
 """The glue calls folded, by the function torch's function mode sees."""
 
@@ -521,6 +704,8 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
     spec = None if fold is None else fold(args, kwargs)
     if spec is None:
         return None
+    if isinstance(spec, _Norm):
+        return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
     return _FoldedGlue.apply(spec, spec.input)
 
 
@@ -533,6 +718,6 @@ def glue_kernel_workspace(node: Any) -> int:
     Returns:
         The workspace (all samples together), or 0 for other nodes.
     """
-    if isinstance(node, _FoldedGlue._backward_cls):
+    if isinstance(node, (_FoldedGlue._backward_cls, _FoldedNorm._backward_cls)):
         return int(getattr(node, "workspace", 0))
     return 0

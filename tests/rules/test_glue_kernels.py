@@ -158,6 +158,82 @@ def test_folded_glue_call_is_the_users_call_with_the_same_backward(name):
     torch.testing.assert_close(batched, unfolded, rtol=tol, atol=tol)
 
 
+def _affine(*shape):
+    return (
+        torch.randn(shape, dtype=torch.float64, requires_grad=True),
+        torch.randn(shape, dtype=torch.float64, requires_grad=True),
+    )
+
+
+# name: (input shape, weight and bias shape or None, the call on (x, weight, bias))
+NORMS = {
+    "layer-norm-last": ((2, 5, 6), (6,), lambda x, w, b: F.layer_norm(x, (6,), w, b)),
+    "layer-norm-map": (
+        (2, 3, 4, 5),
+        (3, 4, 5),
+        lambda x, w, b: F.layer_norm(x, x.shape[1:], w, b, eps=1e-3),
+    ),
+    "layer-norm-no-affine": ((2, 5, 6), None, lambda x, w, b: F.layer_norm(x, [5, 6])),
+    "layer-norm-weight-only": (
+        (3, 7),
+        (7,),
+        lambda x, w, b: F.layer_norm(x, (7,), weight=w),
+    ),
+    "layer-norm-2d-timm": (  # timm's LayerNorm2d: channels last, normalized, back
+        (2, 4, 3, 5),
+        (4,),
+        lambda x, w, b: F.layer_norm(x.permute(0, 2, 3, 1), (4,), w, b).permute(0, 3, 1, 2),
+    ),
+    "group-norm": ((2, 6, 4, 5), (6,), lambda x, w, b: F.group_norm(x, 3, w, b)),
+    "group-norm-1d-no-affine": ((3, 4, 7), None, lambda x, w, b: F.group_norm(x, 2)),
+    "group-norm-one-group": ((2, 4, 3, 3), (4,), lambda x, w, b: F.group_norm(x, 1, w, b)),
+    "instance-norm": (
+        (2, 3, 5, 6),
+        (3,),
+        lambda x, w, b: F.instance_norm(x, weight=w, bias=b),
+    ),
+    "instance-norm-module": ((2, 3, 5, 6), None, lambda x, w, b: nn.InstanceNorm2d(3)(x)),
+    "instance-norm-1d": ((2, 3, 7), None, lambda x, w, b: F.instance_norm(x, eps=1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", NORMS)
+@pytest.mark.parametrize("frozen_input", [False, True], ids=["input-grad", "frozen-input"])
+def test_folded_norms_match_autograd_at_input_weight_and_bias(name, frozen_input):
+    shape, affine, call = NORMS[name]
+    if frozen_input and affine is None:
+        pytest.skip("nothing needs grad")
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=not frozen_input)
+    w, b = _affine(*affine) if affine is not None else (None, None)
+    if "weight-only" in name:
+        b = None
+    expected = call(x, w, b)
+    with folded_glue():
+        got = call(x, w, b)
+    assert "_FoldedNormBackward" in str(got.grad_fn) or "_FoldedNormBackward" in str(
+        got.grad_fn.next_functions
+    ), "the call was not folded"
+    assert torch.equal(got, expected), "the folded call computed something else"
+    wanted = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    grads = torch.randn(4, *got.shape, dtype=got.dtype)
+    seen: list[str] = []
+    batched = batched_grad([got], wanted, [grads], note=seen.append)
+    assert not seen, f"columns looped over: {seen}"
+    for i, value in enumerate(batched):
+        reference = torch.stack(
+            [
+                torch.autograd.grad(expected, wanted[i], g, retain_graph=True)[0]
+                for g in grads
+            ]
+        )
+        torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
+    singles = torch.autograd.grad(got, wanted, grads[2], retain_graph=True)
+    for i, value in enumerate(singles):
+        reference = torch.autograd.grad(expected, wanted[i], grads[2], retain_graph=True)[0]
+        torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
+
+
 def test_indices_asked_for_are_returned_and_not_differentiable():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
     out, idx = F.max_pool2d(x, 2, return_indices=True)
@@ -250,6 +326,81 @@ class EagerAttention(nn.Module):
         return self.out(h).log_softmax(-1)
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: ``nn.LayerNorm`` over channels of ``[N, C, H, W]``."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class ConvNeXtStyle(nn.Module):
+    """timm's ConvNeXt stem and block as written, and a head.
+
+    ``LayerNorm2d``, depthwise 7×7, channels-last MLP, layer scale (a parameter in the
+    glue), residual; the head after global average pooling and a ``LayerNorm2d``.
+    """
+
+    def __init__(self, width=8, classes=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 2, stride=2)
+        self.stem_norm = LayerNorm2d(width)
+        self.dw = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.gamma = nn.Parameter(torch.full((width,), 0.5))
+        self.head_norm = LayerNorm2d(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.stem_norm(self.stem(x))
+        y = self.dw(h).permute(0, 2, 3, 1)
+        y = self.fc2(F.gelu(self.fc1(self.norm(y)))) * self.gamma
+        h = h + y.permute(0, 3, 1, 2)
+        return self.head(F.adaptive_avg_pool2d(self.head_norm(h), 1).flatten(1))
+
+
+class CycleGANStyle(nn.Module):
+    """A CycleGAN ResNet generator in small.
+
+    Reflection pads, instance norms (affine and not), a residual block, a transposed
+    convolution up, ``tanh``.
+    """
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.inp = nn.Sequential(
+            nn.ReflectionPad2d(2), nn.Conv2d(2, width, 5),
+            nn.InstanceNorm2d(width, affine=True), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.InstanceNorm2d(2 * width), nn.ReLU(),
+        )  # fmt: skip
+        self.block = nn.Sequential(
+            nn.ReflectionPad2d(1), nn.Conv2d(2 * width, 2 * width, 3),
+            nn.InstanceNorm2d(2 * width, affine=True), nn.ReLU(),
+        )  # fmt: skip
+        self.out = nn.Sequential(
+            nn.ConvTranspose2d(2 * width, width, 3, 2, padding=1, output_padding=1),
+            nn.GroupNorm(2, width), nn.ReLU(), nn.ReflectionPad2d(1),
+            nn.Conv2d(width, 2, 3), nn.Tanh(),
+        )  # fmt: skip
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.block(h))
+
+
+def _convnext_style():
+    x = torch.randn(3, 3, 12, 12, dtype=torch.float64)
+    return ConvNeXtStyle().double(), x, nn.CrossEntropyLoss(), torch.tensor([0, 2, 1])
+
+
+def _cyclegan_style():
+    x = torch.randn(2, 2, 10, 10, dtype=torch.float64)
+    return CycleGANStyle().double(), x, nn.MSELoss(), torch.randn(2, 2, 10, 10).double()
+
+
 def _glue_net():
     x = torch.randn(3, 2, 12, 12, dtype=torch.float64)
     return GlueNet().double(), x, nn.CrossEntropyLoss(), torch.tensor([0, 2, 1])
@@ -269,7 +420,12 @@ class _TokenNLL(nn.Module):
         return F.nll_loss(logp.flatten(0, 1), target.flatten())
 
 
-MODELS = {"glue-net": _glue_net, "eager-attention": _eager_attention}
+MODELS = {
+    "glue-net": _glue_net,
+    "eager-attention": _eager_attention,
+    "convnext-style": _convnext_style,
+    "cyclegan-style": _cyclegan_style,
+}
 CHUNKINGS = ({"num_chunks": 1}, {"num_chunks": 4}, {"max_memory": "128MiB"})
 
 
