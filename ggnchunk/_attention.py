@@ -20,8 +20,9 @@ written with the operations torch's batching does have rules for (3-d ``bmm``,
 elementwise maths), so that the columns are one batched computation. ``P`` is recomputed
 from the recorded ``Q``, ``K`` (no user code runs again). Calls it cannot reproduce
 exactly are left as they are: dropout inside attention (``dropout_p > 0``: its draws),
-a float mask that requires grad, grouped-query attention with fewer key heads, nested
-tensors, inputs whose leading axes differ.
+grouped-query attention with fewer key heads, nested tensors, inputs whose leading axes
+differ. A float mask that requires grad (a learned relative-position bias: BEiT, Swin)
+gets :math:`dS`, summed over the axes it was broadcast along.
 
 Only the thread that runs the engine's forward pass is affected (torch function modes
 are thread-local), and only while that forward runs.
@@ -52,7 +53,10 @@ class _FoldedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, mask)
         ctx.is_causal = is_causal
         ctx.scale = q.shape[-1] ** -0.5 if scale is None else scale
-        ctx.workspace = _workspace(q, k, v)
+        ctx.workspace = _workspace(q, k, v) + (
+            math.prod(q.shape[:-1]) * k.shape[-2] if mask is not None and mask.requires_grad
+            else 0
+        )  # the learned bias's gradient, before its sums  # fmt: skip
         return out
 
     @staticmethod
@@ -93,7 +97,21 @@ class _FoldedAttention(torch.autograd.Function):
             # once per column (as large as dP)
             dv = torch.stack([torch.mm(p[i].t(), g[i]) for i in range(b)])
             dv = dv.reshape(v.shape)
-        return dq, dk, dv, None, None, None
+        dmask = None
+        if ctx.needs_input_grad[3]:  # a learned bias (relative positions): dS, summed
+            dmask = _summed_to(
+                ds.reshape(*lead, length, keys), mask.shape
+            )  # where broadcast
+        return dq, dk, dv, dmask, None, None
+
+
+def _summed_to(values: Tensor, shape: torch.Size) -> Tensor:
+    """``values`` summed over the axes a tensor of ``shape`` was broadcast along."""
+    extra = values.dim() - len(shape)
+    if extra:
+        values = values.sum(tuple(range(extra)))
+    ones = tuple(i for i, n in enumerate(shape) if n == 1 and values.shape[i] != 1)
+    return values.sum(ones, keepdim=True) if ones else values
 
 
 def _bias(
@@ -172,7 +190,9 @@ def fold_attention(args: tuple, kwargs: dict) -> Tensor | None:
         return None  # the draws cannot be reproduced
     causal = bool(bound.get("is_causal", False))
     if mask is not None:
-        if not isinstance(mask, Tensor) or mask.requires_grad or causal:
+        if not isinstance(mask, Tensor) or causal:
+            return None
+        if mask.requires_grad and not mask.dtype.is_floating_point:
             return None
         scores = (*q.shape[:-1], k.shape[-2])
         try:

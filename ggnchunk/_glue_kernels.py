@@ -158,6 +158,38 @@ class _Norm:
         return dx, dw, db
 
 
+class _BatchNormEval(_Norm):
+    r"""Batch normalization with running statistics: an affine map per channel.
+
+    :math:`y = (x - \mu) r w + b` with the recorded running mean :math:`\mu` and
+    :math:`r = (\sigma^2 + \epsilon)^{-1/2}`: :math:`\partial x = g\,r w`,
+    :math:`\partial w = \sum g\,(x - \mu) r`, :math:`\partial b = \sum g` (sums over the
+    samples and positions).
+    """
+
+    def __init__(self, args: dict[str, Any], mean: Tensor, var: Tensor, eps: float):
+        super().__init__(F.batch_norm, args, (0, 0, 0), eps, None)
+        self.mean, self.var = mean, var
+
+    def call(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        return F.batch_norm(x, self.mean, self.var, weight=weight, bias=bias, **self.args)
+
+    def transposed(self, x, weight, grads, needs):
+        channel = [1] * x.dim()
+        channel[1] = x.shape[1]
+        rstd = (self.var.detach() + self.eps).rsqrt().reshape(channel)
+        scale = rstd if weight is None else rstd * weight.detach().reshape(channel)
+        dx = grads * scale if needs[0] else None
+        sums = [0] + [d + 1 for d in range(x.dim()) if d != 1]  # all but columns, channels
+        dw = db = None
+        if needs[1] and weight is not None:
+            xhat = (x.detach() - self.mean.detach().reshape(channel)) * rstd
+            dw = (grads * xhat).sum(sums[1:])
+        if needs[2]:
+            db = grads.sum(sums[1:])
+        return dx, dw, db
+
+
 class _Spec:
     """One call's folded form: the call, its backward on ``[V, *out]`` columns."""
 
@@ -241,6 +273,23 @@ class _MaxPool(_Spec):
         index = indices.reshape(1, *indices.shape[: indices.dim() - d], -1)
         result = flat.new_zeros(*flat.shape[:-1], plane)
         return result.scatter_add(-1, index.expand(flat.shape), flat).reshape(v, *shape)
+
+
+class _Rows(_Spec):
+    """``x[index]`` (rows of the first axis): the columns are added back at their rows."""
+
+    def call(self, x):
+        return x[self.args["index"]]
+
+    def workspace(self, in_shape, out_shape):
+        return 0
+
+    def transposed(self, ctx, grads, saved):
+        shape = ctx.in_shape
+        index = self.args["index"].reshape(-1).to(torch.int64) % shape[0]
+        flat = grads.reshape(grads.shape[0], index.numel(), *shape[1:])
+        result = flat.new_zeros(grads.shape[0], *shape)
+        return result.index_add(1, index, flat)
 
 
 class _Softmax(_Spec):
@@ -616,6 +665,41 @@ def _instance_norm(args: tuple, kwargs: dict) -> _Norm | None:
     return spec
 
 
+def _batch_norm(args: tuple, kwargs: dict) -> _Norm | None:
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training",
+             "momentum", "eps")  # fmt: skip
+    bound = _bind(names, args, kwargs)
+    if bound is None or bound.get("training", False):
+        return None  # batch statistics mix the samples: the engine's checks say so
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    mean, var = bound.get("running_mean"), bound.get("running_var")
+    if not _norm_input(x, w, b) or x.dim() < 2 or x.numel() == 0:
+        return None
+    channels = x.shape[1]
+    if not (_affine(w, x, (channels,)) and _affine(b, x, (channels,))):
+        return None
+    for stat in (mean, var):
+        if not isinstance(stat, Tensor) or stat.requires_grad or stat.shape != (channels,):
+            return None
+    eps = float(bound.get("eps", 1e-5))
+    options = {"training": False, "momentum": bound.get("momentum", 0.1), "eps": eps}
+    spec = _BatchNormEval(options, mean, var, eps)
+    spec.input, spec.weight, spec.bias = x, w, b
+    return spec
+
+
+def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
+    """``table[index]`` with one integer tensor: rows gathered (a parameter's, mostly)."""
+    if len(args) != 2 or kwargs:
+        return None
+    x, index = args
+    if type(index) is not Tensor or index.dtype not in (torch.int64, torch.int32):
+        return None
+    if not _foldable(x) or x.dim() == 0 or index.requires_grad or index.is_nested:
+        return None
+    return _on(_Rows(Tensor.__getitem__, {"index": index}), x)
+
+
 def _axes(dims: Any, rank: int) -> list[int] | None:
     """Axes counted from the end (so a leading axis of columns leaves them), or None."""
     dims = [dims] if isinstance(dims, int) else dims
@@ -685,6 +769,8 @@ FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _Norm | None]] = {
     F.layer_norm: _layer_norm,
     F.group_norm: _group_norm,
     F.instance_norm: _instance_norm,
+    F.batch_norm: _batch_norm,
+    Tensor.__getitem__: _getitem,
 }
 """The glue calls folded, by the function torch's function mode sees."""
 

@@ -95,6 +95,8 @@ CALLS = {
     "pixel-shuffle": ((2, 8, 3, 4), lambda x: F.pixel_shuffle(x, 2)),
     "pixel-unshuffle-module": ((2, 2, 6, 4), nn.PixelUnshuffle(2)),
     "pixel-shuffle-unbatched": ((9, 2, 3), nn.PixelShuffle(3)),
+    "rows-of-a-table": ((10, 3), lambda x: x[torch.tensor([[1, 0], [9, -1], [1, 1]])]),
+    "rows-int32": ((6, 2, 2), lambda x: x[torch.tensor([5, 0, 5], dtype=torch.int32)]),
     "masked-fill": (
         (2, 3, 4, 4),
         lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
@@ -194,7 +196,18 @@ NORMS = {
     ),
     "instance-norm-module": ((2, 3, 5, 6), None, lambda x, w, b: nn.InstanceNorm2d(3)(x)),
     "instance-norm-1d": ((2, 3, 7), None, lambda x, w, b: F.instance_norm(x, eps=1e-2)),
+    "batch-norm-eval": (
+        (2, 3, 4, 5),
+        (3,),
+        lambda x, w, b: F.batch_norm(x, RUNNING[0], RUNNING[1], w, b, training=False),
+    ),
+    "batch-norm-eval-1d-no-affine": (
+        (4, 3),
+        None,
+        lambda x, w, b: F.batch_norm(x, RUNNING[0], RUNNING[1], eps=1e-3),
+    ),
 }
+RUNNING = (torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5)
 
 
 @pytest.mark.parametrize("name", NORMS)
