@@ -29,15 +29,26 @@ import time
 from pathlib import Path
 
 CALLS = {
-    # name: (input shape, vectors, the call as source text)
-    "reflection pad 2d": ((2, 16, 64, 64), 64, "F.pad(x, (3, 3, 3, 3), mode='reflect')"),
-    "constant pad (crop)": ((2, 16, 64, 64), 64, "F.pad(x, (-2, -2, -2, -2))"),
-    "max pool 3/2/1": ((2, 16, 64, 64), 64, "F.max_pool2d(x, 3, 2, 1)"),
-    "avg pool 2": ((2, 16, 64, 64), 64, "F.avg_pool2d(x, 2)"),
-    "adaptive avg pool to 1": ((8, 64, 16, 16), 256, "F.adaptive_avg_pool2d(x, 1)"),
-    "softmax of scores": ((2, 4, 64, 64), 256, "F.softmax(x, dim=-1)"),
-    "causal where": ((2, 4, 64, 64), 256, "torch.where(MASK, x, -1e4)"),
-    "flip": ((2, 16, 64, 64), 64, "x.flip(-1)"),
+    # name: (input shape, vectors, the call as source text): maps as small as glue
+    # meets them deep in a network, columns as many as a chunk carries
+    "reflection pad 2d": ((2, 8, 16, 16), 2048, "F.pad(x, (1, 1, 1, 1), mode='reflect')"),
+    "constant pad (crop)": ((2, 8, 16, 16), 2048, "F.pad(x, (-1, -1, -1, -1))"),
+    "max pool 3/2/1": ((2, 8, 16, 16), 2048, "F.max_pool2d(x, 3, 2, 1)"),
+    "avg pool 3/2/1": ((2, 8, 16, 16), 2048, "F.avg_pool2d(x, 3, 2, 1)"),
+    "adaptive avg pool to 1": ((2, 64, 8, 8), 2048, "F.adaptive_avg_pool2d(x, 1)"),
+    "softmax of scores": ((2, 4, 16, 16), 6400, "F.softmax(x, dim=-1)"),
+    "causal where": ((2, 4, 16, 16), 6400, "torch.where(MASK, x, -1e4)"),
+    "batch norm, running statistics": (
+        (2, 8, 16, 16),
+        2048,
+        "F.batch_norm(x, MEAN, VAR, training=False)",
+    ),
+    "flip": ((2, 8, 16, 16), 2048, "x.flip(-1)"),
+    "reflection pad 2d, large maps": (
+        (2, 16, 64, 64),
+        64,
+        "F.pad(x, (3, 3, 3, 3), mode='reflect')",
+    ),
 }
 PROBLEMS = {
     # name: (fixed chunks, budget)
@@ -51,7 +62,7 @@ def _call_rows() -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.peak import high_water_mark_mib
-    from ggnchunk._autograd import quiet_autograd
+    from ggnchunk._autograd import batched_grad
     from ggnchunk._folding import folded_glue
 
     rows = []
@@ -59,17 +70,15 @@ def _call_rows() -> list[dict]:
         torch.manual_seed(0)
         x = torch.randn(shape, requires_grad=True)
         scope = {"F": F, "torch": torch, "x": x,
-                 "MASK": torch.ones(shape[-2:], dtype=torch.bool).tril()}  # fmt: skip
+                 "MASK": torch.ones(shape[-2:], dtype=torch.bool).tril(),
+                 "MEAN": torch.zeros(shape[1]), "VAR": torch.ones(shape[1])}  # fmt: skip
         plain = eval(source, scope)
         with folded_glue():
             folded = eval(source, scope)
         grads = torch.randn(vectors, *plain.shape)
 
-        def backward(y, grads=grads, x=x):
-            with quiet_autograd():
-                return torch.autograd.grad(
-                    y, x, grads, retain_graph=True, is_grads_batched=True
-                )[0]
+        def backward(y, grads=grads, x=x):  # as the engine's sweeps batch the columns
+            return batched_grad([y], [x], [grads])[0]
 
         times = {"torch": [], "folded": []}
         peaks = {}

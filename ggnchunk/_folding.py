@@ -11,8 +11,9 @@ forward computation with such a backward:
   :mod:`ggnchunk._attention`;
 - ``F.interpolate`` outside layers with a rule (functional resizes; ``nn.Upsample``
   keeps its rule): :mod:`ggnchunk._resample`;
-- ``F.pad`` (every mode), max and average pooling (1-3d, also adaptive), ``flip``,
-  ``roll``, ``softmax`` and ``log_softmax`` outside layers with a rule (the pooling
+- ``F.pad`` (every mode), max and average pooling (1-3d, also adaptive), pixel
+  shuffles, ``flip``, ``roll``, ``masked_fill``, ``where``, ``softmax``, batch norm with
+  running statistics and ``table[index]`` outside layers with a rule (the pooling
   layers keep theirs): :mod:`ggnchunk._glue_kernels`.
 
 Calls they cannot reproduce exactly are left as they are.

@@ -12,6 +12,7 @@ code) match the float64 brute force in every chunking mode and with a batch of o
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -167,35 +168,11 @@ def _affine(*shape):
     )
 
 
-# name: (input shape, weight and bias shape or None, the call on (x, weight, bias))
+# name: (input shape, weight and bias shape or None, the call on (x, weight, bias)).
+# Layer, group and instance norms are left to torch: folded, their backward measured
+# 2.5× slower than torch's per-column loop and took 2-3× its memory (benchmarks/results/
+# glue-kernels-*), so only batch norm with running statistics (an affine map) is here.
 NORMS = {
-    "layer-norm-last": ((2, 5, 6), (6,), lambda x, w, b: F.layer_norm(x, (6,), w, b)),
-    "layer-norm-map": (
-        (2, 3, 4, 5),
-        (3, 4, 5),
-        lambda x, w, b: F.layer_norm(x, x.shape[1:], w, b, eps=1e-3),
-    ),
-    "layer-norm-no-affine": ((2, 5, 6), None, lambda x, w, b: F.layer_norm(x, [5, 6])),
-    "layer-norm-weight-only": (
-        (3, 7),
-        (7,),
-        lambda x, w, b: F.layer_norm(x, (7,), weight=w),
-    ),
-    "layer-norm-2d-timm": (  # timm's LayerNorm2d: channels last, normalized, back
-        (2, 4, 3, 5),
-        (4,),
-        lambda x, w, b: F.layer_norm(x.permute(0, 2, 3, 1), (4,), w, b).permute(0, 3, 1, 2),
-    ),
-    "group-norm": ((2, 6, 4, 5), (6,), lambda x, w, b: F.group_norm(x, 3, w, b)),
-    "group-norm-1d-no-affine": ((3, 4, 7), None, lambda x, w, b: F.group_norm(x, 2)),
-    "group-norm-one-group": ((2, 4, 3, 3), (4,), lambda x, w, b: F.group_norm(x, 1, w, b)),
-    "instance-norm": (
-        (2, 3, 5, 6),
-        (3,),
-        lambda x, w, b: F.instance_norm(x, weight=w, bias=b),
-    ),
-    "instance-norm-module": ((2, 3, 5, 6), None, lambda x, w, b: nn.InstanceNorm2d(3)(x)),
-    "instance-norm-1d": ((2, 3, 7), None, lambda x, w, b: F.instance_norm(x, eps=1e-2)),
     "batch-norm-eval": (
         (2, 3, 4, 5),
         (3,),
@@ -433,6 +410,8 @@ class _TokenNLL(nn.Module):
         return F.nll_loss(logp.flatten(0, 1), target.flatten())
 
 
+# the norms' backward kernels, which torch's per-column loop runs as fast (see NORMS)
+LEFT_TO_TORCH = {"native_layer_norm_backward", "native_batch_norm_backward"}
 MODELS = {
     "glue-net": _glue_net,
     "eager-attention": _eager_attention,
@@ -448,9 +427,16 @@ CHUNKINGS = ({"num_chunks": 1}, {"num_chunks": 4}, {"max_memory": "128MiB"})
 def test_models_with_folded_glue_match_the_brute_force(name, kwargs):
     torch.manual_seed(1)
     model, x, loss_func, y = MODELS[name]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)  # no column loops
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ggnchunk.SlowBackwardWarning)
         got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    looped = {
+        op
+        for w in caught
+        if issubclass(w.category, ggnchunk.SlowBackwardWarning)
+        for op in re.findall(r"aten::(\w+)", str(w.message))
+    }
+    assert looped <= LEFT_TO_TORCH, f"columns looped over: {looped - LEFT_TO_TORCH}"
     expected = reference_diag_ggn(model, loss_func, x, y)
     assert_diag_close(got, expected, rtol=1e-9, label=f"{name} {kwargs}")
 
