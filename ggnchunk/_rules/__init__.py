@@ -33,11 +33,17 @@ from ggnchunk._rules.embedding import EmbeddingRule
 from ggnchunk._rules.folded import FoldedRule
 from ggnchunk._rules.kernels import square_sum
 from ggnchunk._rules.linear import LinearRule
-from ggnchunk._rules.norm import BatchNormRule, GroupNormRule, LayerNormRule
+from ggnchunk._rules.norm import (
+    BatchNormRule,
+    GroupNormRule,
+    InstanceNormRule,
+    LayerNormRule,
+)
 
 __all__ = [
     "RULES",
     "Caches",
+    "InstanceNormRule",
     "LayerRule",
     "RuleContext",
     "RuleHandle",
@@ -55,6 +61,7 @@ RULES: list[LayerRule] = [
     BatchNormRule(),
     LayerNormRule(),
     GroupNormRule(),
+    InstanceNormRule(),
     EmbeddingRule(),
     ActivationRule(),
     FoldedRule(),
@@ -158,7 +165,7 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     for rule in RULES:
         for cls in rule.classes:
-            if isinstance(module, cls) and forward is cls.forward:
+            if isinstance(module, cls) and forward is cls.forward and rule.accepts(module):
                 # a frozen layer keeps its rule's backprop (no parameter products)
                 if set(own) <= set(rule.param_names):
                     return rule

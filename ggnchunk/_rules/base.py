@@ -155,6 +155,20 @@ class LayerRule(ABC):
             ctx: The call's context.
         """
 
+    def accepts(self, module: nn.Module) -> bool:
+        """Whether this layer, in its present configuration, computes what the rule knows.
+
+        A layer the rule does not accept is handled from the recorded graph, as any
+        layer without a rule (``nn.InstanceNorm2d`` with running statistics, say).
+
+        Args:
+            module: A layer of one of :attr:`classes`.
+
+        Returns:
+            True by default.
+        """
+        return True
+
     def check(self, name: str, module: nn.Module) -> None:  # noqa: B027 - optional
         """Raise a ``ValueError`` if this layer cannot be handled exactly.
 

@@ -1,4 +1,4 @@
-"""Normalizations: BatchNorm (eval), LayerNorm, GroupNorm."""
+"""Normalizations: BatchNorm (eval), LayerNorm, GroupNorm, InstanceNorm."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ggnchunk._rules.base import LayerRule, RuleContext, trainable
 from ggnchunk._windows import Windowed, gather, mix
 
-__all__ = ["BatchNormRule", "GroupNormRule", "LayerNormRule"]
+__all__ = ["BatchNormRule", "GroupNormRule", "InstanceNormRule", "LayerNormRule"]
 
 
 def _standardized(flat: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -198,12 +198,17 @@ class GroupNormRule(_ChannelNormRule):
     def _sum_axes(self, ctx, grads):
         return tuple(range(3, grads.dim()))
 
+    def _groups(self, ctx: RuleContext) -> int:
+        """How many sets of channels share statistics (per sample)."""
+        return ctx.module.num_groups
+
     def _sets(self, ctx):
-        return ctx.x.shape[0] * ctx.module.num_groups
+        return ctx.x.shape[0] * self._groups(ctx)
 
     def _normalized(self, ctx):
         module, x = ctx.module, ctx.x
-        return _standardized(x.reshape(x.shape[0], module.num_groups, -1), module.eps)
+        groups = self._groups(ctx)
+        return _standardized(x.reshape(x.shape[0], groups, -1), module.eps)
 
     def backprop(self, ctx, grads):
         shape = (-1, *([1] * (grads.dim() - 3)))
@@ -220,7 +225,7 @@ class GroupNormRule(_ChannelNormRule):
         module = ctx.module
         data = block.data
         v, n, c = data.shape[:3]
-        g = module.num_groups
+        g = self._groups(ctx)
         spatial = (1,) * (data.dim() - 3)
         if module.weight is not None:
             data = data * module.weight.detach().view(-1, *spatial)
@@ -249,4 +254,31 @@ class GroupNormRule(_ChannelNormRule):
         return Windowed(local, block.start, block.size, fields, coeffs)
 
     def field_count(self, ctx):
-        return 2 * ctx.module.num_groups
+        return 2 * self._groups(ctx)
+
+
+class InstanceNormRule(GroupNormRule):
+    """``nn.InstanceNorm1d/2d/3d`` with statistics of the input: one group per channel.
+
+    Such a layer normalizes each channel of each sample over its positions, as
+    ``nn.GroupNorm`` with as many groups as channels does: the same rule, windowed with
+    two fields per channel. With running statistics (``track_running_stats=True`` in
+    eval mode) the layer is an affine map per channel; it is then left to the glue.
+    """
+
+    classes = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    description = "statistics of the input (not running ones): per sample and channel"
+
+    def accepts(self, module: nn.Module) -> bool:
+        return module.training or not module.track_running_stats
+
+    def record(self, ctx):
+        if ctx.x.dim() != ctx.module._get_no_batch_dim() + 1:
+            raise ValueError(
+                f"{type(ctx.module).__name__} got an input of shape {tuple(ctx.x.shape)} "
+                "without a batch axis; inside a model whose first axis is the samples, "
+                "call it on [N, C, ...] inputs."
+            )
+
+    def _groups(self, ctx: RuleContext) -> int:
+        return ctx.x.shape[1]  # its channels (num_features need not match without affine)

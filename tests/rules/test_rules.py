@@ -71,6 +71,14 @@ LAYERS = {
     "groupnorm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3)),
     "groupnorm-no-affine": (lambda: nn.GroupNorm(2, 4, affine=False), (4, 3, 3)),
     "layernorm-no-affine": (lambda: nn.LayerNorm(4, elementwise_affine=False), (3, 4)),
+    "instancenorm2d": (lambda: nn.InstanceNorm2d(3), (3, 4, 4)),
+    "instancenorm2d-affine": (lambda: nn.InstanceNorm2d(3, affine=True), (3, 4, 5)),
+    "instancenorm1d-affine": (lambda: nn.InstanceNorm1d(2, affine=True), (2, 6)),
+    "instancenorm3d-affine": (lambda: nn.InstanceNorm3d(2, affine=True), (2, 3, 3, 2)),
+    # running statistics in eval mode: an affine map per channel, left to the glue
+    "instancenorm2d-running-eval": (
+        lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True), (3, 4, 4)
+    ),
     # layers without parameters: only their backpropagation (to the glue in front)
     "relu": (nn.ReLU, (3, 4)),
     "silu": (nn.SiLU, (2, 3, 3)),
@@ -175,6 +183,15 @@ def test_rule_is_exact(name, shared, lean, monkeypatch):
     for kwargs in ({}, {"num_chunks": 3}, {"chunk_size": 1}):
         actual = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
         assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} {kwargs}")
+
+
+def test_instance_norm_takes_the_group_norm_rule_only_with_input_statistics():
+    from ggnchunk._rules import InstanceNormRule, rule_for
+
+    assert isinstance(rule_for(nn.InstanceNorm2d(3, affine=True)), InstanceNormRule)
+    tracked = nn.InstanceNorm2d(3, track_running_stats=True)
+    assert isinstance(rule_for(tracked), InstanceNormRule)  # training: input statistics
+    assert rule_for(tracked.eval()) is None  # running statistics: the glue's
 
 
 CONVOLUTIONS = [name for name in LAYERS if name.startswith("conv")]

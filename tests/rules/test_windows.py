@@ -463,6 +463,24 @@ MODELS = {
         PixelShuffled(2),
         nn.Conv2d(2, 2, 3, stride=2, padding=1),
     ),
+    # CycleGAN's and pix2pix's normalization: instance norms (affine and not) between
+    # reflection-padded convolutions, down and up; each channel normalized per sample,
+    # windowed with two fields per channel
+    "instance-norms": lambda: nn.Sequential(
+        nn.ReflectionPad2d(2),
+        nn.Conv2d(2, 3, 5),
+        nn.InstanceNorm2d(3, affine=True),
+        nn.ReLU(),
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        nn.InstanceNorm2d(4),
+        nn.ReLU(),
+        nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1),
+        nn.InstanceNorm2d(3, affine=True),
+        nn.ReLU(),
+        nn.ReflectionPad2d(1),
+        nn.Conv2d(3, 2, 3),
+        nn.Tanh(),
+    ),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -489,6 +507,7 @@ SHAPES = {
     "functional-resizes": (2, 24, 24),
     "pixel-shuffle": (2, 12, 12),
     "reflection-pads": (2, 12, 12),
+    "instance-norms": (2, 12, 12),
     "max-pools": (2, 12, 12),
     "bilinear-modules": (2, 12, 12),
 }
@@ -848,7 +867,7 @@ def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch
 
 ON_THE_BOXES = ["functional-resizes", "functional-unet", "diffusers-style",
                 "pads-and-crops", "pixel-shuffle", "reflection-pads", "max-pools",
-                "bilinear-modules"]  # fmt: skip
+                "bilinear-modules", "instance-norms"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ON_THE_BOXES)
