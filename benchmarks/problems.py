@@ -345,9 +345,50 @@ def reflect_generator(scale: int = 1) -> Problem:
     return model, nn.MSELoss(), x, torch.randn_like(x)
 
 
+def _in_block(width: int) -> nn.Module:
+    return nn.Sequential(
+        nn.ReflectionPad2d(1), nn.Conv2d(width, width, 3), nn.InstanceNorm2d(width),
+        nn.ReLU(), nn.ReflectionPad2d(1), nn.Conv2d(width, width, 3),
+        nn.InstanceNorm2d(width),
+    )  # fmt: skip
+
+
+class _InResidual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.block = _in_block(width)
+
+    def forward(self, h):
+        return h + self.block(h)
+
+
+def cyclegan_generator(scale: int = 1) -> Problem:
+    """CycleGAN's ``ResnetGenerator`` (instance norms, reflection pads), ``[2, 3, 64, 64]``.
+
+    As in the CycleGAN code: a 7×7 stem, two stride-2 convolutions down, residual
+    blocks, two transposed convolutions up, a 7×7 head and ``tanh``; ``ngf=8``, two
+    residual blocks (the original has 64 and 9). MSE to a target image.
+    """
+    w = 8
+    model = nn.Sequential(
+        nn.ReflectionPad2d(3), nn.Conv2d(3, w, 7), nn.InstanceNorm2d(w), nn.ReLU(),
+        nn.Conv2d(w, 2 * w, 3, stride=2, padding=1), nn.InstanceNorm2d(2 * w), nn.ReLU(),
+        nn.Conv2d(2 * w, 4 * w, 3, stride=2, padding=1), nn.InstanceNorm2d(4 * w),
+        nn.ReLU(), _InResidual(4 * w), _InResidual(4 * w),
+        nn.ConvTranspose2d(4 * w, 2 * w, 3, stride=2, padding=1, output_padding=1),
+        nn.InstanceNorm2d(2 * w), nn.ReLU(),
+        nn.ConvTranspose2d(2 * w, w, 3, stride=2, padding=1, output_padding=1),
+        nn.InstanceNorm2d(w), nn.ReLU(),
+        nn.ReflectionPad2d(3), nn.Conv2d(w, 3, 7), nn.Tanh(),
+    )  # fmt: skip
+    x = torch.randn(2 * scale, 3, 64, 64)
+    return model, nn.MSELoss(), x, torch.randn_like(x)
+
+
 PROBLEMS.update(
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
     gpt_eager=gpt_eager, reflect_generator=reflect_generator,
+    cyclegan_generator=cyclegan_generator,
 )  # fmt: skip
 DEFAULT_PROBLEMS += ("lraspp_frozen", "resnet18_frozen", "tiny_gpt")
 QUICK_SKIPPED = frozenset({"lraspp_frozen", "tiny_gpt"})

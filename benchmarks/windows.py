@@ -36,8 +36,15 @@ PROBLEMS = {
     "time_unet_64": ("2GiB", 128, "time-conditioned U-Net 2×3×64×64 with attention", 5.0),
     "sr_espcn": ("256MiB", 16, "ESPCN ×2 super-resolution 4×3×32×32 → 64×64", None),
     "unet_classic_64": ("512MiB", 64, "classic U-Net 2×3×64×64 (max pool, bilinear)", None),
+    "cyclegan_generator": (
+        "512MiB",
+        16,
+        "CycleGAN ResnetGenerator 2×3×64×64 (instance norms)",
+        None,
+    ),
 }
 ROUNDS = {
+    "cyclegan_generator": 1,
     "unet_64": 1,
     "time_unet_64": 1,
     "unet_classic_64": 1,
@@ -46,6 +53,7 @@ UNCOUNTED = {
     ("unet_64", "dense"),
     ("time_unet_64", "dense"),
     ("unet_classic_64", "dense"),
+    ("cyclegan_generator", "dense"),
 }  # FLOPs not counted (an extra call takes minutes)
 
 
