@@ -39,6 +39,7 @@ __all__ = [
     "edge_key",
     "edge_of",
     "gather_of",
+    "is_batched",
     "grad_shape",
     "node_name",
     "noting",
@@ -321,6 +322,30 @@ def _batched(
 
 
 _COLUMNS = threading.local()  # how many vectors this thread's batched backward carries
+# torch's legacy batching (what is_grads_batched runs) and the calls that unwrap it
+_UNWRAPPABLE = all(
+    hasattr(owner, name)
+    for owner, name in (
+        (torch._C, "_vmapmode_increment_nesting"),
+        (torch._C, "_vmapmode_decrement_nesting"),
+        (torch, "_remove_batch_dim"),
+        (torch, "_add_batch_dim"),
+        (getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor"),
+    )
+)
+
+
+def is_batched(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is one column's view of a batch (inside a batched backward).
+
+    Args:
+        tensor: A tensor a backward received.
+
+    Returns:
+        True for torch's batched view; False for a plain tensor (or where this torch
+        does not say).
+    """
+    return _UNWRAPPABLE and torch._C._functorch.is_legacy_batchedtensor(tensor)
 
 
 def _vmap_level() -> int:
@@ -350,8 +375,7 @@ def on_columns(
         The node's input gradients, as autograd expects them.
     """
     count = getattr(_COLUMNS, "count", None)
-    batched = [torch._C._functorch.is_legacy_batchedtensor(g) for g in grads]
-    if count is not None and all(batched):
+    if count is not None and all(is_batched(g) for g in grads):
         level = _vmap_level()
         columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
         if all(c.shape == (count, *g.shape) for c, g in zip(columns, grads, strict=True)):

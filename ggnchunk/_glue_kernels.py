@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ggnchunk._autograd import on_columns
+from ggnchunk._autograd import is_batched, on_columns
 
 __all__ = ["FOLDERS", "fold_glue_call", "glue_kernel_workspace"]
 
@@ -112,6 +112,10 @@ class _BatchNormEval:
     def call(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         return F.batch_norm(x, self.mean, self.var, weight=weight, bias=bias, **self.args)
 
+    def release(self) -> None:
+        """Drop the call's tensors (the node saves the input and weight it needs)."""
+        self.input = self.weight = self.bias = None
+
     def transposed(
         self, x: Tensor, weight: Tensor | None, grads: Tensor, needs: tuple[bool, ...]
     ) -> tuple[Tensor | None, ...]:
@@ -165,6 +169,10 @@ class _Spec:
         """Elements per column (all samples) the backward takes beyond its vectors."""
         return 0
 
+    def release(self) -> None:
+        """Drop what only the forward needed (the recorded graph holds this spec)."""
+        self.input = None
+
     def transposed(self, ctx: Any, grads: Tensor, saved: tuple) -> Tensor:
         raise NotImplementedError
 
@@ -186,6 +194,11 @@ class _Linear(_Spec):
                  direct: Direct | None = None):  # fmt: skip
         super().__init__(func, args)
         self.keep, self.direct = keep, direct
+
+    def release(self) -> None:
+        super().release()
+        if self.direct is not None:  # the backward needs neither the call nor its
+            self.func, self.args = None, {}  # arguments (a ``where``'s other side)
 
     def workspace(self, in_shape: torch.Size, out_shape: torch.Size) -> int:
         if self.direct is not None:
@@ -234,7 +247,7 @@ class _MaxPool(_Spec):
         flat = grads.reshape(v, *shape[: len(shape) - d], -1)
         index = indices.reshape(1, *indices.shape[: indices.dim() - d], -1)
         result = flat.new_zeros(*flat.shape[:-1], plane)
-        if torch._C._functorch.is_legacy_batchedtensor(flat):  # torch batches it (or loops)
+        if is_batched(flat):  # torch batches it (or loops)
             return result.scatter_add(-1, index.expand(flat.shape), flat).reshape(v, *shape)
         # in place: the out-of-place form copies the zeros once more (2.4× the time)
         return result.scatter_add_(-1, index.expand(flat.shape), flat).reshape(v, *shape)
@@ -270,7 +283,7 @@ class _Softmax(_Spec):
     def transposed(self, ctx, grads, saved):
         (y,) = saved
         dim = self.args["dim"] % y.dim() - y.dim()  # from the end: the columns lead
-        if torch._C._functorch.is_legacy_batchedtensor(grads):  # torch batches (or loops)
+        if is_batched(grads):  # torch batches (or loops)
             kernel = (
                 torch._log_softmax_backward_data if self.log
                 else torch._softmax_backward_data
@@ -590,7 +603,7 @@ def _where(args: tuple, kwargs: dict) -> _Spec | None:
         return None  # the input broadcast: its gradient is a sum (left to torch)
     first = grads[0]
 
-    def where(t: Tensor) -> Tensor:
+    def where(t: Tensor, other: Any) -> Tensor:
         return (
             torch.where(condition, t, other) if first else torch.where(condition, other, t)
         )
@@ -598,7 +611,7 @@ def _where(args: tuple, kwargs: dict) -> _Spec | None:
     def direct(g: Tensor, shape: tuple[int, ...]) -> Tensor:
         return torch.where(condition, g, 0) if first else torch.where(condition, 0, g)
 
-    return _on(_Linear(where, {}, x.dim(), direct), x)
+    return _on(_Linear(where, {"other": other}, x.dim(), direct), x)
 
 
 def _affine(value: Any, x: Tensor, shape: tuple[int, ...]) -> bool:
@@ -746,9 +759,12 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
     spec = None if fold is None else fold(args, kwargs)
     if spec is None:
         return None
-    if isinstance(spec, _BatchNormEval):
-        return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
-    return _FoldedGlue.apply(spec, spec.input)
+    try:
+        if isinstance(spec, _BatchNormEval):
+            return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
+        return _FoldedGlue.apply(spec, spec.input)
+    finally:  # the graph keeps what the backward needs, not the call's inputs
+        spec.release()
 
 
 def glue_kernel_workspace(node: Any) -> int:

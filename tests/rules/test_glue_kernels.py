@@ -12,8 +12,10 @@ code) match the float64 brute force in every chunking mode and with a batch of o
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -222,6 +224,29 @@ def test_folded_norms_match_autograd_at_input_weight_and_bias(name, frozen_input
     for i, value in enumerate(singles):
         reference = torch.autograd.grad(expected, wanted[i], grads[2], retain_graph=True)[0]
         torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda h: F.pad(h, (1, 1)),
+        lambda h: torch.where(torch.ones(4, dtype=torch.bool), h, h.detach() * 3),
+        lambda h: F.avg_pool2d(h, 2),
+        lambda h: F.batch_norm(h, torch.zeros(3), torch.ones(3), training=False),
+    ],
+)
+def test_a_folded_node_does_not_keep_the_calls_inputs_alive(call):
+    """As torch's own nodes: a linear call's input is not saved for its backward."""
+    a = torch.randn(2, 3, 4, 4, requires_grad=True)
+    with folded_glue():
+        h = a * 2
+        alive = weakref.ref(h)
+        y = call(h)
+        del h
+    gc.collect()
+    assert "Folded" in type(y.grad_fn).__name__
+    if "Norm" not in type(y.grad_fn).__name__:  # batch norm saves its input, as torch's
+        assert alive() is None, "the folded node holds its input"
 
 
 def test_indices_asked_for_are_returned_and_not_differentiable():
