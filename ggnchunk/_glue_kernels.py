@@ -522,7 +522,10 @@ def _flip(args: tuple, kwargs: dict) -> _Spec | None:
     if dims is None:
         return None
     direct = lambda g, shape: g.flip(dims)  # noqa: E731
-    return _on(_Linear(torch.flip, {"dims": dims}, x.dim(), direct), x)
+    spec = _Linear(torch.flip, {"dims": dims}, x.dim(), direct)
+    spec.stands_for = "FlipBackward0"  # the windowed glue flips boxes
+    spec.saved = {"dims": tuple(d % x.dim() for d in dims)}
+    return _on(spec, x)
 
 
 def _roll(args: tuple, kwargs: dict) -> _Spec | None:
@@ -756,7 +759,10 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
         The call's output (the user's own call), with a backward on all columns.
     """
     fold = FOLDERS.get(func)
-    spec = None if fold is None else fold(args, kwargs)
+    try:
+        spec = None if fold is None else fold(args, kwargs)
+    except Exception:  # arguments this reading did not foresee: torch's own call runs
+        return None  # (and raises what it raises), as without the folding
     if spec is None:
         return None
     try:

@@ -107,8 +107,8 @@ class GluePlan:
         order: The nodes (by id) in a reverse topological order.
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "same" | "add" | "sub" | "mul" | "div" | "cat" |
-            "pad" | "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "resample" |
-            "hand"`` (``"hand"``: handed to autograd, dense; ``"same"``: a view to
+            "pad" | "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "flip" |
+            "resample" | "hand"`` (``"hand"``: handed to autograd, dense; ``"same"``: a view to
             the same shape).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
@@ -298,6 +298,13 @@ def _action(n: Node) -> str | None:
         return "pool"
     if name in ("PixelShuffleBackward0", "PixelUnshuffleBackward0"):
         return "shuffle" if len(shape) == 4 and len(nexts) == 1 else None
+    if name == "FlipBackward0":  # a flip of positions (test-time flips, mirrored maps)
+        dims = saved_value(n, "dims")
+        ok = (
+            dims is not None and len(nexts) == 1 and nexts[0][0] is not None
+            and all(_signed(int(d)) % len(shape) >= 2 for d in dims)
+        )  # fmt: skip
+        return "flip" if ok else None
     if name == RESAMPLE:
         matrices = getattr(n, "matrices", None)  # the folded resize's own attribute
         if matrices is None or len(matrices) != len(shape) - 2:
@@ -462,6 +469,16 @@ def _step(
     elif act == "shuffle":
         m, nr = nexts[0]
         out.append((m, nr, _shuffled(n, block, tuple(grad_shape(m, nr)[2:]))))
+    elif act == "flip":  # position p of an axis comes from size - 1 - p
+        m, nr = nexts[0]
+        rank = len(block.size) + 2
+        axes = sorted({_signed(int(d)) % rank for d in saved_value(n, "dims")})
+        start = block.start.clone()
+        for axis in axes:
+            k = axis - 2
+            start[:, k] = block.size[k] - block.start[:, k] - block.box[k]
+        data = block.data.flip([axis + 1 for axis in axes])  # the columns lead
+        out.append((m, nr, end_of(Windowed(data, start, block.size), MAX_FILL)))
     elif act == "resample":
         m, nr = nexts[0]
         out.append((m, nr, resampled(block, n.matrices, grad_shape(m, nr))))

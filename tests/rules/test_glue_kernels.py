@@ -278,6 +278,26 @@ def test_calls_that_mix_samples_or_need_no_grad_are_left_to_torch(call):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda x: F.pad(x, (1, 2, 3)), RuntimeError),  # an odd number of pads
+        (lambda x: F.pad(x, (1, 1), mode="reflect", value=2.0), (RuntimeError, ValueError)),
+        (lambda x: F.max_pool2d(x, 0), RuntimeError),
+        (lambda x: x.softmax(7), IndexError),
+        (lambda x: x[torch.tensor([9])], IndexError),
+    ],
+)
+def test_a_call_torch_refuses_raises_torchs_own_error(call, error):
+    """Folding never turns the user's bad call into an internal error."""
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    with pytest.raises(error) as plain:
+        call(x)
+    with folded_glue(), pytest.raises(error) as folded:
+        call(x)
+    assert str(folded.value) == str(plain.value)
+
+
 def test_pooling_layers_with_a_rule_keep_their_own_nodes():
     pool = nn.MaxPool2d(2)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), pool, nn.Flatten(), nn.LazyLinear(2))

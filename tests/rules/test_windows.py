@@ -341,6 +341,19 @@ def _conv_stack(padding_mode: str) -> nn.Module:
     )  # fmt: skip
 
 
+class Mirrored(nn.Module):
+    """Test-time flip averaging in ``forward``, and a flip of rows between layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh())
+        self.head = nn.Conv2d(3, 2, (3, 2), padding=(1, 0))
+
+    def forward(self, x):
+        h = (self.body(x) + self.body(x.flip(-1)).flip(-1)) / 2
+        return self.head(torch.flip(h, [2]))
+
+
 MODELS = {
     # BackPACK's retain_graph tutorial autoencoder, smaller
     "tutorial-ae": lambda: nn.Sequential(
@@ -481,6 +494,9 @@ MODELS = {
         nn.Conv2d(3, 2, 3),
         nn.Tanh(),
     ),
+    # test-time augmentation inside forward: the mirrored image through the same layers,
+    # mirrored back and averaged; a flip of rows between layers
+    "flips": lambda: Mirrored(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
@@ -508,6 +524,7 @@ SHAPES = {
     "pixel-shuffle": (2, 12, 12),
     "reflection-pads": (2, 12, 12),
     "instance-norms": (2, 12, 12),
+    "flips": (2, 12, 11),
     "max-pools": (2, 12, 12),
     "bilinear-modules": (2, 12, 12),
 }
@@ -867,7 +884,7 @@ def test_a_time_embedding_added_to_the_maps_does_not_end_the_windows(monkeypatch
 
 ON_THE_BOXES = ["functional-resizes", "functional-unet", "diffusers-style",
                 "pads-and-crops", "pixel-shuffle", "reflection-pads", "max-pools",
-                "bilinear-modules", "instance-norms"]  # fmt: skip
+                "bilinear-modules", "instance-norms", "flips"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ON_THE_BOXES)
@@ -1629,8 +1646,11 @@ GLUE_OPS = {
     ),
     "reflect": lambda h: F.pad(h, [1, 2, 2, 1], mode="reflect"),
     "replicate": lambda h: F.pad(h, [0, 1, 1, 0], mode="replicate"),
+    "flip": lambda h: h.flip(-1) if h.shape[-1] % 2 else h.flip(-2, -1),
     "shuffle": lambda h: (
-        F.pixel_shuffle(F.pixel_unshuffle(h, 2), 2) if min(h.shape[-2:]) % 2 == 0 else h
+        F.pixel_shuffle(F.pixel_unshuffle(h, 2), 2)
+        if all(n % 2 == 0 for n in h.shape[-2:])
+        else h
     ),
 }
 
