@@ -335,17 +335,30 @@ _UNWRAPPABLE = all(
 )
 
 
+def _legacy_batched(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a column's view in the batching ``is_grads_batched`` runs."""
+    return _UNWRAPPABLE and torch._C._functorch.is_legacy_batchedtensor(tensor)
+
+
 def is_batched(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is one column's view of a batch (inside a batched backward).
+    """Whether ``tensor`` is one column's view of a batch (torch runs it batched).
+
+    Such a view takes no in-place update of a plain tensor: code that runs on it uses
+    out-of-place forms.
 
     Args:
         tensor: A tensor a backward received.
 
     Returns:
-        True for torch's batched view; False for a plain tensor (or where this torch
-        does not say).
+        True for a view of torch's batching (``is_grads_batched`` or ``torch.func``'s
+        ``vmap``); False for a plain tensor.
     """
-    return _UNWRAPPABLE and torch._C._functorch.is_legacy_batchedtensor(tensor)
+    functorch = getattr(torch._C, "_functorch", None)
+    return _legacy_batched(tensor) or bool(
+        functorch is not None
+        and hasattr(functorch, "is_batchedtensor")
+        and functorch.is_batchedtensor(tensor)
+    )
 
 
 def _vmap_level() -> int:
@@ -375,7 +388,7 @@ def on_columns(
         The node's input gradients, as autograd expects them.
     """
     count = getattr(_COLUMNS, "count", None)
-    if count is not None and all(is_batched(g) for g in grads):
+    if count is not None and all(_legacy_batched(g) for g in grads):
         level = _vmap_level()
         columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
         if all(c.shape == (count, *g.shape) for c, g in zip(columns, grads, strict=True)):

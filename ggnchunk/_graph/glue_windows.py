@@ -108,8 +108,8 @@ class GluePlan:
         nodes: ``id -> node``.
         action: ``id -> "pointwise" | "same" | "add" | "sub" | "mul" | "div" | "cat" |
             "pad" | "slice" | "split" | "fold-pad" | "pool" | "shuffle" | "flip" |
-            "resample" | "hand"`` (``"hand"``: handed to autograd, dense; ``"same"``: a view to
-            the same shape).
+            "resample" | "hand"`` (``"hand"``: handed to autograd, dense; ``"same"``: a
+            view to the same shape).
         frontier: The region's frontier edge keys, in the source's order.
         handoffs: Whether a spatial block is handed to autograd somewhere (dense
             results, counted as full maps).

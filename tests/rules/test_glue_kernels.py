@@ -249,6 +249,27 @@ def test_a_folded_node_does_not_keep_the_calls_inputs_alive(call):
         assert alive() is None, "the folded node holds its input"
 
 
+@pytest.mark.parametrize("name", ["max-pool-2d-overlap", "softmax", "log-softmax", "flip"])
+def test_torch_func_vmap_over_a_folded_backward(name):
+    """Batched by ``torch.func.vmap`` (not the engine's batching): out-of-place forms."""
+    shape, call = CALLS[name]
+    torch.manual_seed(3)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    expected = call(x)
+    with folded_glue():
+        got = call(x)
+    grads = torch.randn(3, *got.shape, dtype=got.dtype)
+
+    def backward(y):
+        return torch.func.vmap(lambda g: torch.autograd.grad(y, x, g, retain_graph=True)[0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on its own batching
+        torch.testing.assert_close(
+            backward(got)(grads), backward(expected)(grads), rtol=1e-12, atol=1e-12
+        )
+
+
 def test_indices_asked_for_are_returned_and_not_differentiable():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
     out, idx = F.max_pool2d(x, 2, return_indices=True)
