@@ -99,14 +99,17 @@ class _FoldedAttention(torch.autograd.Function):
             dv = dv.reshape(v.shape)
         dmask = None
         if ctx.needs_input_grad[3]:  # a learned bias (relative positions): dS, summed
-            dmask = _summed_to(
-                ds.reshape(*lead, length, keys), mask.shape
-            )  # where broadcast
+            # over the axes the mask was broadcast along
+            dmask = _summed_to(ds.reshape(*lead, length, keys), mask.shape)
         return dq, dk, dv, dmask, None, None
 
 
 def _summed_to(values: Tensor, shape: torch.Size) -> Tensor:
-    """``values`` summed over the axes a tensor of ``shape`` was broadcast along."""
+    """``values`` summed over the axes a tensor of ``shape`` was broadcast along.
+
+    ``Tensor.sum_to_size`` does this, but torch's batching has no rule for it (it would
+    run once per column); plain sums it does batch.
+    """
     extra = values.dim() - len(shape)
     if extra:
         values = values.sum(tuple(range(extra)))

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ggnchunk._autograd import is_batched, on_columns
 
-__all__ = ["FOLDERS", "fold_glue_call", "glue_kernel_workspace"]
+__all__ = ["FOLDERS", "fold_glue_call", "glue_kernel_workspace", "scatter_to_argmax"]
 
 
 class _FoldedGlue(torch.autograd.Function):
@@ -240,17 +240,41 @@ class _MaxPool(_Spec):
         super().recorded(ctx, x, out, extra)
         ctx._saved_result1 = self.indices  # also where the user did not ask for them
 
+    def release(self):
+        super().release()
+        self.indices = None  # the node keeps them (``_saved_result1``)
+
     def transposed(self, ctx, grads, saved):
-        indices = ctx._saved_result1  # [*lead, *out_spatial] into the flat input plane
-        v, shape, d = grads.shape[0], ctx.in_shape, self.dims
-        plane = math.prod(shape[len(shape) - d :])
-        flat = grads.reshape(v, *shape[: len(shape) - d], -1)
-        index = indices.reshape(1, *indices.shape[: indices.dim() - d], -1)
-        result = flat.new_zeros(*flat.shape[:-1], plane)
-        if is_batched(flat):  # torch batches it (or loops)
-            return result.scatter_add(-1, index.expand(flat.shape), flat).reshape(v, *shape)
-        # in place: the out-of-place form copies the zeros once more (2.4× the time)
-        return result.scatter_add_(-1, index.expand(flat.shape), flat).reshape(v, *shape)
+        return scatter_to_argmax(grads, ctx._saved_result1, ctx.in_shape, self.dims)
+
+
+def scatter_to_argmax(
+    columns: Tensor, indices: Tensor, in_shape: tuple[int, ...], dims: int
+) -> Tensor:
+    """Max pooling's transposed Jacobian: each output's vectors added at its argmax.
+
+    Args:
+        columns: ``[V, *lead, *out]`` vectors at the pooling's output (``dims`` spatial
+            axes last).
+        indices: ``[*lead, *out]``: the recorded argmax of each output, a position in
+            the flattened input plane (as ``return_indices=True`` gives it).
+        in_shape: The input's shape ``(*lead, *in)``.
+        dims: How many spatial axes the pooling has.
+
+    Returns:
+        ``[V, *in_shape]``.
+    """
+    v = columns.shape[0]
+    plane = math.prod(in_shape[len(in_shape) - dims :])
+    flat = columns.reshape(v, *in_shape[: len(in_shape) - dims], -1)
+    index = indices.reshape(1, *indices.shape[: indices.dim() - dims], -1).expand(
+        flat.shape
+    )
+    result = flat.new_zeros(*flat.shape[:-1], plane)
+    if is_batched(flat):  # torch batches it (or loops): out of place
+        return result.scatter_add(-1, index, flat).reshape(v, *in_shape)
+    # in place: the out-of-place form copies the zeros once more (2.4× the time)
+    return result.scatter_add_(-1, index, flat).reshape(v, *in_shape)
 
 
 class _Rows(_Spec):
@@ -318,12 +342,16 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any] |
     return bound
 
 
-def _foldable(x: Any) -> bool:
+def _plain(x: Any) -> bool:
+    """A plain floating tensor (subclasses keep their own dispatch)."""
     return (
         (type(x) is Tensor or isinstance(x, torch.nn.Parameter))
-        and x.requires_grad and x.dtype.is_floating_point and not x.is_nested
-        and x.layout is torch.strided and torch.is_grad_enabled()
+        and x.dtype.is_floating_point and not x.is_nested and x.layout is torch.strided
     )  # fmt: skip
+
+
+def _foldable(x: Any) -> bool:
+    return _plain(x) and x.requires_grad and torch.is_grad_enabled()
 
 
 def _ints(value: Any, dims: int) -> tuple[int, ...] | None:
@@ -387,6 +415,26 @@ def _pad_backward(mode: str, pad: list[int]) -> Direct | None:
     return lambda g, shape: kernel(g, _shaped(g, shape), pad)
 
 
+def _pool_call(
+    names: tuple[str, ...], dims: int, args: tuple, kwargs: dict
+) -> tuple[dict[str, Any], Tensor] | None:
+    """A pooling call's other arguments and its input ``[N?, C, *S]``, or None."""
+    bound = _bind(names, args, kwargs)
+    if bound is None or not _foldable(bound.get("input")):
+        return None
+    x = bound.pop("input")
+    return (bound, x) if x.dim() in (dims + 1, dims + 2) else None
+
+
+def _window(bound: dict[str, Any], dims: int) -> tuple[tuple[int, ...], ...] | None:
+    """A pooling's kernel, stride (the kernel where not given) and padding, or None."""
+    kernel = _ints(bound.get("kernel_size"), dims)
+    stride = bound.get("stride")
+    stride = kernel if stride is None or stride == [] else _ints(stride, dims)
+    padding = _ints(bound.get("padding", 0), dims)
+    return None if None in (kernel, stride, padding) else (kernel, stride, padding)
+
+
 def _avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
     dims = _POOL_DIMS[func]
     names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
@@ -394,18 +442,14 @@ def _avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
         names += ("divisor_override",)
 
     def fold(args: tuple, kwargs: dict) -> _Spec | None:
-        bound = _bind(names, args, kwargs)
-        if bound is None or not _foldable(bound.get("input")):
+        call = _pool_call(names, dims, args, kwargs)
+        if call is None:
             return None
-        x = bound.pop("input")
-        if x.dim() not in (dims + 1, dims + 2):
-            return None
-        kernel = _ints(bound.get("kernel_size"), dims)
-        stride = bound.get("stride")
-        stride = kernel if stride is None or stride == [] else _ints(stride, dims)
-        padding = _ints(bound.get("padding", 0), dims)
+        bound, x = call
+        window = _window(bound, dims)
         direct = None
-        if dims > 1 and None not in (kernel, stride, padding):
+        if dims > 1 and window is not None:
+            kernel, stride, padding = window
             backward = getattr(torch.ops.aten, f"avg_pool{dims}d_backward")
             options = (list(kernel), list(stride), list(padding),
                        bool(bound.get("ceil_mode", False)),
@@ -416,7 +460,7 @@ def _avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
                 return backward(g, _shaped(g, shape), *options)
 
         spec = _Linear(func, bound, dims + 1, direct)
-        if dims == 2 and x.dim() == 4 and None not in (kernel, stride, padding):
+        if dims == 2 and x.dim() == 4 and window is not None:
             spec.stands_for = "AvgPool2DBackward0"
             spec.saved = {
                 "kernel_size": kernel, "stride": stride, "padding": padding,
@@ -433,12 +477,10 @@ def _adaptive_avg_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
     dims = _POOL_DIMS[func]
 
     def fold(args: tuple, kwargs: dict) -> _Spec | None:
-        bound = _bind(("input", "output_size"), args, kwargs)
-        if bound is None or not _foldable(bound.get("input")):
+        call = _pool_call(("input", "output_size"), dims, args, kwargs)
+        if call is None:
             return None
-        x = bound.pop("input")
-        if x.dim() not in (dims + 1, dims + 2):
-            return None
+        bound, x = call
         direct = None
         if _ints(bound.get("output_size"), dims) == (1,) * dims:  # a global average
 
@@ -467,21 +509,17 @@ def _max_pool(func: Any) -> Callable[[tuple, dict], _Spec | None]:
     with_indices = _WITH_INDICES[func]
 
     def fold(args: tuple, kwargs: dict) -> _Spec | None:
-        bound = _bind(names, args, kwargs)
-        if bound is None or not _foldable(bound.get("input")):
+        call = _pool_call(names, dims, args, kwargs)
+        if call is None:
             return None
-        x = bound.pop("input")
-        if x.dim() not in (dims + 1, dims + 2):
-            return None
+        bound, x = call
         asked = bool(bound.pop("return_indices", False))
         spec = _MaxPool(with_indices, bound, dims, asked)
         if not adaptive and dims == 2 and x.dim() == 4:
-            kernel = _ints(bound.get("kernel_size"), 2)
-            stride = bound.get("stride")
-            stride = kernel if stride is None or stride == [] else _ints(stride, 2)
-            padding = _ints(bound.get("padding", 0), 2)
+            window = _window(bound, 2)
             dilation = _ints(bound.get("dilation", 1), 2)
-            if None not in (kernel, stride, padding, dilation):  # read on boxes
+            if window is not None and dilation is not None:  # read on boxes
+                kernel, stride, padding = window
                 spec.stands_for = "MaxPool2DWithIndicesBackward0"
                 spec.saved = {
                     "kernel_size": kernel, "stride": stride, "padding": padding,
@@ -621,18 +659,12 @@ def _affine(value: Any, x: Tensor, shape: tuple[int, ...]) -> bool:
     """Whether a norm's weight or bias is absent or a plain tensor of ``shape``."""
     if value is None:
         return True
-    return (
-        (type(value) is Tensor or isinstance(value, torch.nn.Parameter))
-        and value.dtype == x.dtype and tuple(value.shape) == shape
-        and value.layout is torch.strided
-    )  # fmt: skip
+    return _plain(value) and value.dtype == x.dtype and tuple(value.shape) == shape
 
 
 def _norm_input(x: Any, *affine: Any) -> bool:
     """A norm's input: floating, plain, and something of the call needs grad."""
-    if not (type(x) is Tensor or isinstance(x, torch.nn.Parameter)):
-        return False
-    if not x.dtype.is_floating_point or x.is_nested or x.layout is not torch.strided:
+    if not _plain(x):
         return False
     needs = x.requires_grad or any(
         isinstance(t, Tensor) and t.requires_grad for t in affine

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ggnchunk._glue_kernels import scatter_to_argmax
 from ggnchunk._resample import axis_matrices
 from ggnchunk._rules.base import LayerRule
 from ggnchunk._windows import Windowed, end_of, gather, resampled, valid, whole_cells
@@ -75,14 +76,12 @@ def _bilinear2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def _max_pool2d(node: Any, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
-    # each output takes its input's value: scatter the vectors to the recorded argmax
+    # each output takes its input's value: the vectors go to the recorded argmax
     indices = node._saved_result1  # [N, C, h, w] into the flattened H*W of each plane
     n = indices.shape[0]
-    v = grads.shape[0] // n
-    flat = grads.reshape(v, n, shape[1], -1)
-    result = grads.new_zeros(v, n, shape[1], math.prod(shape[2:]))
-    index = indices.reshape(1, n, shape[1], -1).expand(v, -1, -1, -1)
-    return result.scatter_add_(3, index, flat).reshape(shape)
+    columns = grads.reshape(grads.shape[0] // n, n, *grads.shape[1:])
+    in_shape = (n, *shape[1:])
+    return scatter_to_argmax(columns, indices, in_shape, 2).reshape(shape)
 
 
 def _nearest_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
