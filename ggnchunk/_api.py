@@ -62,13 +62,16 @@ class GGNReport:
         window_ends: Where windowed columns became dense vectors (their boxes covered
             most of the map there), ``{place: reason}``; empty if they stayed windowed
             to the end or no pass was windowed.
-        setup_seconds: Time this call spent on the process's one-time set-up (kernels
-            paged in by a small warm-up computation, ``torch.func``'s set-up), paid
-            once per process and kind of layer by the first call with ``max_memory``
-            or ``chunk_size="auto"``; 0 on later calls and without a budget.
-        setup_bytes: Resident memory that set-up left behind (code pages, libraries).
-            It is paid before the call's memory baseline: ``max_memory`` counts from
-            after it, as it would on a later call.
+        setup_seconds: Time this call spent on the process's one-time set-up
+            (``torch.func``'s set-up; on CUDA also kernels and library handles set up
+            by a small warm-up computation), paid once per process (and kind of layer)
+            by the first call with ``max_memory`` or ``chunk_size="auto"``; 0 on later
+            calls and without a budget.
+        setup_bytes: Resident memory of the process's one-time set-up, which
+            ``max_memory`` does not count: what the set-up left behind (paid before the
+            call's memory baseline, as if on a later call) and, on the CPU, the
+            libraries' code the call paged in (pages mapped from files, shared and
+            reclaimable, never counted on the CPU).
     """
 
     num_columns: int = 0
@@ -306,12 +309,18 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
-def _warm_up(problem: Problem) -> bool:
+def _warm_up(problem: Problem, kernels: bool = True) -> bool:
     """The process's one-time set-up for this problem, before the call's baseline.
 
-    Returns whether anything was set up now (``False`` once the process has it).
+    Args:
+        problem: The call's problem.
+        kernels: Whether to page in its kinds of layers' kernels too (where the memory
+            measurement counts code, :attr:`MemoryBackend.counts_code`).
+
+    Returns:
+        Whether anything was set up now (``False`` once the process has it).
     """
-    ran = warm_up_for(problem.model, problem.dtype, problem.device)
+    ran = kernels and warm_up_for(problem.model, problem.dtype, problem.device)
     if isinstance(problem.handler, AutogradLossSqrtHessian) or _has_glue(problem):
         # torch.func factorizes the loss, or backpropagates glue in batches: the
         # forward pass's checks set it up first (about 40 MiB counted as in use after
@@ -578,7 +587,9 @@ def _compute(
     )
     baseline = None
     if tracker is not None:  # one-time set-up is not the budget's: pay it first
-        baseline = _set_up_outside(tracker, lambda: _warm_up(problem), report)
+        code = getattr(tracker, "code", lambda: 0)()
+        kernels = getattr(tracker, "counts_code", True)
+        baseline = _set_up_outside(tracker, lambda: _warm_up(problem, kernels), report)
     bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
@@ -655,6 +666,8 @@ def _compute(
         del run, quantity
     if bar is not None:
         bar.close()
+    if tracker is not None:  # the libraries' code the call paged in: not the budget's
+        report.setup_bytes += max(0, getattr(tracker, "code", lambda: 0)() - code)
     if group is not None:
         merged.all_reduce(group)
     return merged, loss, gradient, report
