@@ -26,6 +26,8 @@ CASES = [
     # windowed grouped convolutions' oneDNN workspace (outside torch's allocator):
     # a first call peaked at 33.8 MiB before their steps counted it, 21 MiB after
     ("conv_ae_28_outpad", 30),
+    # no maps, so no workspace margin in the bound: 94% of the budget used
+    ("classifier_1000", 73),
 ]  # fmt: skip
 
 
