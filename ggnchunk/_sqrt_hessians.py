@@ -259,8 +259,9 @@ class _DiagonalFactor(SqrtHessianFactor):
     local = True
 
     def __init__(self, sqrt_diag: Tensor):
-        # sqrt_diag: [N, *output_shape], the square roots of the Hessian's diagonal.
-        self._sqrt = sqrt_diag.flatten(start_dim=1)
+        # sqrt_diag: [N, *output_shape], the square roots of the Hessian's diagonal
+        # (an output of one number per sample, [N], has one column)
+        self._sqrt = sqrt_diag.reshape(sqrt_diag.shape[0], -1)
         self._shape = sqrt_diag.shape
         self.num_columns = self._sqrt.shape[1]
         self._column_numel = self._sqrt.numel()

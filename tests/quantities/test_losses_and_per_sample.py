@@ -173,3 +173,46 @@ def test_per_sample_diagonals(case, kwargs):
     assert_diag_close({k: v.sum(0) for k, v in actual.items()}, total, rtol=1e-9)
     for name, param in model.named_parameters():
         assert actual[name].shape == (n, *param.shape)
+
+
+class _OneNumber(nn.Module):
+    """One output number per sample, ``[N]`` (a regression or binary head squeezed)."""
+
+    def __init__(self, sigmoid: bool = False):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(4, 3), nn.Linear(3, 1)
+        self.sigmoid = sigmoid
+
+    def forward(self, x):
+        out = self.head(torch.tanh(self.hidden(x))).squeeze(-1)
+        return torch.sigmoid(out) if self.sigmoid else out
+
+
+ONE_NUMBER_LOSSES = {
+    "bce-logits": lambda: nn.BCEWithLogitsLoss(),
+    "bce-logits-pos-weight-sum": lambda: nn.BCEWithLogitsLoss(
+        reduction="sum", pos_weight=torch.tensor(2.0, dtype=torch.float64)
+    ),
+    "bce": lambda: nn.BCELoss(),
+    "mse": lambda: nn.MSELoss(),
+    "huber": lambda: nn.HuberLoss(),
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}, {"batch_chunk_size": 2},
+     {"per_sample": True}],
+)  # fmt: skip
+@pytest.mark.parametrize("name", list(ONE_NUMBER_LOSSES))
+def test_outputs_of_one_number_per_sample(name, kwargs):
+    """Outputs ``[N]``: BCE raised a raw ``IndexError`` (flattening a missing axis)."""
+    torch.manual_seed(0)
+    loss = ONE_NUMBER_LOSSES[name]()
+    model = _OneNumber(sigmoid=name == "bce").double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    targets = torch.rand(5, dtype=torch.float64)
+    actual = ggnchunk.diag_ggn(model, loss, x, targets, **kwargs)
+    if kwargs.get("per_sample"):
+        actual = {k: v.sum(0) for k, v in actual.items()}
+    assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
