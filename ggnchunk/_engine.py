@@ -405,6 +405,7 @@ class GGNComputation:
                 f"{problem.dtype}; ggnchunk computes in the parameters' dtype. Remove "
                 "the cast from forward."
             )
+        _check_finite_output(output)
         if problem.loss_func is not None:
             self._loss = self._loss_of(output)
         self._recording.plan(output)
@@ -751,3 +752,27 @@ class GGNComputation:
         gradient = Gradient(self._problem)
         self._recording.sweep(seed, gradient)
         return gradient.result
+
+
+def _check_finite_output(output: Tensor) -> None:
+    """Refuse a model output with NaN or Inf (the inputs and parameters are finite).
+
+    Args:
+        output: The model output, ``[N, ...]``.
+
+    Raises:
+        ValueError: Naming the first sample with a non-finite output.
+    """
+    if not output.is_floating_point():
+        return
+    finite = torch.isfinite(output.detach()).reshape(output.shape[0], -1).all(1)
+    if not bool(finite.all()):
+        sample = int((~finite).nonzero()[0, 0])
+        raise ValueError(
+            f"the model output contains NaN or Inf values (sample {sample} first, "
+            f"{int((~finite).sum())} of {output.shape[0]} samples), although the inputs "
+            "and parameters are finite: an operation in forward produced them (a log or "
+            "square root of a negative number, a division by zero, an overflow). The "
+            "GGN is not defined there; fix the forward pass (e.g. clamp before a log) "
+            "or leave those samples out."
+        )

@@ -77,6 +77,16 @@ class Checks(Traversal):
             others = torch.ones(2, n, dtype=torch.bool, device=vectors.device)
             others[0, 0] = others[1, n - 1] = False
             flat = vectors.reshape(2, n, -1)
+            if not bool(torch.isfinite(flat).all()):
+                raise ValueError(
+                    f"backpropagating from the model output gives NaN or Inf values at "
+                    f"{where} (as loss.backward() would there): the forward pass "
+                    "computed non-finite intermediate values (a log or square root of a "
+                    "negative number, a division by zero, an overflow), maybe in a "
+                    "branch that torch.where masks (whose gradient is then 0 x NaN), "
+                    "although the output is finite. Fix the forward pass (e.g. clamp "
+                    "before a log, or mask the operation's input instead of its output)."
+                )
             if bool((flat[others] != 0).any()):
                 raise SampleCouplingError(
                     f"samples of the batch influence each other: backpropagating from one "

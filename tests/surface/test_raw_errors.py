@@ -78,6 +78,43 @@ def test_non_finite_values_are_named_not_called_coupling(problem, where, value):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
 
 
+class _LogOf(nn.Module):
+    """A log (or a masked square root) of a linear layer's output: NaN where negative."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.linear, self.masked = nn.Linear(3, 2), masked
+
+    def forward(self, a):
+        h = self.linear(a)
+        if self.masked:  # NaN in the branch torch.where drops: finite output, NaN grads
+            return torch.where(h > 0, torch.sqrt(h), h)
+        return torch.log(h)
+
+
+@pytest.mark.parametrize(
+    ("masked", "kwargs"),
+    [(False, {}), (False, {"batch_chunk_size": 1}), (False, {"max_memory": "64MiB"}),
+     (True, {}), (True, {"max_memory": "64MiB"})],  # one sample: checks nothing backward
+)  # fmt: skip
+def test_non_finite_values_made_by_the_forward_pass_are_named(masked, kwargs):
+    """NaN made by the model's own operations is named, not called a coupling.
+
+    It was reported as samples influencing each other, or (batches of one) returned
+    as a NaN diagonal without a word.
+    """
+    torch.manual_seed(0)
+    model, x = _LogOf(masked), torch.randn(6, 3)
+    with torch.no_grad():
+        h = model.linear(x)
+    if not bool((h < 0).any()):  # the seed's draw gives negative values
+        pytest.skip("no negative pre-activation")
+    y = torch.zeros(6, 2)
+    match = "backpropagating.*NaN or Inf.*torch.where" if masked else "model output.*NaN"
+    with pytest.raises(ValueError, match=match):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **kwargs)
+
+
 def test_a_model_on_the_meta_device():
     model = nn.Linear(3, 2, device="meta")
     x, y = torch.randn(4, 3, device="meta"), torch.randn(4, 2, device="meta")
