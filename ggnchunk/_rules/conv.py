@@ -45,7 +45,18 @@ def _weight_gradient_of_squares(
     mask = mask.expand(x.shape[0], *mask.shape[1:])
     out = {}
     if trainable(module, "weight"):
-        output_padding = as_tuple(module.output_padding, dims) if transposed else [0] * dims
+        # a transposed convolution's output padding as the call made it: forward's
+        # ``output_size=`` argument overrides the module's ``output_padding``
+        output_padding = [0] * dims
+        if transposed:
+            output_padding = [
+                size - ((i - 1) * s - 2 * p + d * (k - 1) + 1)
+                for size, i, s, p, d, k in zip(
+                    ctx.out_shape[2:], x.shape[2:], as_tuple(module.stride, dims),
+                    as_tuple(module.padding, dims), as_tuple(module.dilation, dims),
+                    as_tuple(module.kernel_size, dims), strict=True,
+                )
+            ]  # fmt: skip
         out["weight"] = torch.ops.aten.convolution_backward(
             mask, squares, module.weight.detach(), None, as_tuple(module.stride, dims),
             as_tuple(module.padding, dims), as_tuple(module.dilation, dims), transposed,

@@ -267,3 +267,43 @@ def test_square_sum_keeps_no_gram_factor_beyond_the_planned_chunk_size():
         torch.testing.assert_close(square_sum(a, b, cache, columns=columns), expected,
                                    rtol=1e-12, atol=0)  # fmt: skip
         assert (cache.gram is not None) is kept, columns
+
+
+class _OutputSize(nn.Module):
+    """A decoder that resolves the stride's ambiguity with ``output_size=`` (U-Nets)."""
+
+    def __init__(self, image: bool):
+        super().__init__()
+        self.image = image  # image-shaped output: windowed columns
+        self.down = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1)
+        self.up1d = nn.ConvTranspose1d(2, 2, 2, stride=3)
+
+    def forward(self, x):
+        h = self.up(torch.relu(self.down(x)), output_size=x.shape[-2:])  # 8 from 4
+        if self.image:
+            return h
+        flat = self.up1d(h.flatten(2)[..., :5], output_size=[15])  # output_padding 2
+        return torch.cat([h.flatten(1), flat.flatten(1)], 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_chunks": 5}, {"max_memory": "64MiB"}, {"batch_chunk_size": 2},
+     {"per_sample": True}],
+)  # fmt: skip
+@pytest.mark.parametrize("image", [False, True])
+def test_transposed_convolutions_called_with_output_size(kwargs, image):
+    """``output_size=`` sets an output padding the module's attribute does not hold.
+
+    It raised a raw size error from the weight products of the one-hot columns.
+    """
+    torch.manual_seed(0)
+    model = _OutputSize(image).double()
+    x = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    targets = torch.randn_like(model(x))
+    actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
+    if kwargs.get("per_sample"):
+        actual = {k: v.sum(0) for k, v in actual.items()}
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
