@@ -723,8 +723,15 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         term = self._per_sample(loss_func)
         func = torch.func
         terms = func.vmap(term)(output, target)
-        total = loss_func(output, target).detach()
-        divisor = target.numel() if loss_func.reduction == "mean" else 1
+        checked, targets = output, target
+        if output.shape[0] == 1:
+            # one sample (a batch of one, or batch_chunk_size's sub-batches) cannot tell
+            # a sum from a mean over the batch: check on the sample twice (the loss only,
+            # the model does not run again)
+            checked, targets = torch.cat([output, output]), torch.cat([target, target])
+            terms = torch.cat([terms, terms])
+        total = loss_func(checked.detach(), targets).detach()
+        divisor = targets.numel() if loss_func.reduction == "mean" else 1
         expected = terms.sum() / divisor
         tolerance = (
             1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
@@ -736,7 +743,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             # target elements per sample (the same for every batch size)
             m = target[0].numel()
             close = torch.allclose(
-                total, terms.sum() / target.shape[0], rtol=tolerance,
+                total, terms.sum() / targets.shape[0], rtol=tolerance,
                 atol=tolerance * 1e-3,
             )  # fmt: skip
             if close:

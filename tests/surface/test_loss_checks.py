@@ -42,3 +42,43 @@ def test_diag_ggn_names_float_class_indices():
     loss_func = nn.CrossEntropyLoss(reduction="sum")
     with pytest.raises(ValueError, match=FLOAT_INDICES):
         ggnchunk.diag_ggn(nn.Linear(3, 4), loss_func, X, y_float)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"batch_chunk_size": 1}, {"batch_chunk_size": 2}, {"num_chunks": 2}]
+)
+def test_a_plain_function_that_averages_is_refused_for_any_sub_batch(kwargs):
+    """A function taking the mean over the batch is not a sum of per-sample terms.
+
+    Sub-batches of one sample could not tell it from a sum: ``batch_chunk_size=1``
+    returned N times the diagonal without a word. The check now sees the sample twice.
+    """
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 5, (3,))
+    with pytest.raises(ValueError, match="not a sum of per-sample terms.*partial"):
+        ggnchunk.diag_ggn(model, lambda o, t: F.cross_entropy(o, t), x, y, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_losses_of_one_sample_are_still_accepted(reduction):
+    """A sum (or mean) of per-sample terms passes the check on one sample too."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+
+    class LogCosh(nn.Module):  # the generic path: no closed form
+        def __init__(self):
+            super().__init__()
+            self.reduction = reduction
+
+        def forward(self, out, target):
+            terms = torch.log(torch.cosh(out - target))
+            return terms.sum() if reduction == "sum" else terms.mean()
+
+    whole = ggnchunk.diag_ggn(model, LogCosh(), x, y, batch_chunk_size=3)
+    split = ggnchunk.diag_ggn(model, LogCosh(), x, y, batch_chunk_size=1)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-12, atol=0)
