@@ -215,6 +215,13 @@ class FoldedRule(LayerRule):
     description = "2d max/average pooling, nearest/bilinear 2d: all columns at once"
     param_free = True
 
+    def accepts(self, module):
+        # a max pooling that also returns its indices (for nn.MaxUnpool2d) has a tuple
+        # output the rule does not map: the recorded graph handles it (the folded glue
+        # max pooling), as the functional form (the rule's diagonal was 0 where the
+        # brute force gave 0.125)
+        return not getattr(module, "return_indices", False)
+
     def per_sample(self, ctx, grads):
         return {}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ggnchunk
@@ -305,5 +306,42 @@ def test_transposed_convolutions_called_with_output_size(kwargs, image):
     actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
     if kwargs.get("per_sample"):
         actual = {k: v.sum(0) for k, v in actual.items()}
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
+
+
+class _Unpooled(nn.Module):
+    """SegNet's decoder: the pooling's indices place the values back (``MaxUnpool2d``)."""
+
+    def __init__(self, functional: bool, conv_after: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        self.after = nn.Conv2d(4, 2, 3, padding=1) if conv_after else nn.Identity()
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.functional:
+            p, idx = F.max_pool2d(h, 2, return_indices=True)
+        else:
+            p, idx = self.pool(h)
+        return self.after(self.unpool(p, idx))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 3}, {"batch_chunk_size": 1}])
+@pytest.mark.parametrize("conv_after", [False, True])
+@pytest.mark.parametrize("functional", [False, True])
+def test_max_pooling_whose_indices_unpool(functional, conv_after, kwargs):
+    """Max pooling whose indices feed an unpooling (SegNet) is exact.
+
+    ``nn.MaxPool2d(return_indices=True)`` took the pooling rule, which does not map a
+    tuple output: a diagonal of 0 where the brute force gives 0.125 (relative error 1).
+    """
+    torch.manual_seed(1)
+    model = _Unpooled(functional, conv_after).double()
+    x = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    targets = torch.randn_like(model(x))
+    actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
     expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
     assert_diag_close(actual, expected, rtol=1e-9)
