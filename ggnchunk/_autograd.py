@@ -19,6 +19,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +39,9 @@ __all__ = [
     "blocked",
     "edge_key",
     "edge_of",
+    "first_global_forward_hook",
     "gather_of",
+    "global_forward_hooks",
     "grad_shape",
     "is_batched",
     "node_name",
@@ -517,3 +520,36 @@ def warm_up() -> None:
         torch.autograd.grad(
             torch.tanh(x * 2), x, torch.ones(2, 2, 2), is_grads_batched=True
         )
+
+
+def global_forward_hooks() -> bool:
+    """Whether forward hooks for every module are registered (``torch.nn.modules``).
+
+    Returns:
+        True if ``register_module_forward_hook`` has hooks now.
+    """
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_forward_hooks", None))
+
+
+def first_global_forward_hook(hook: Callable) -> Any:
+    """Register ``hook`` for every module's forward, ahead of the hooks already there.
+
+    torch runs the global forward hooks before a module's own, in registration order;
+    a hook that must see a layer's own output (before a user's global hook replaces it)
+    has to run first.
+
+    Args:
+        hook: ``hook(module, args, output)``; its result is ignored.
+
+    Returns:
+        The handle (``.remove()``).
+    """
+    from torch.nn.modules import module as torch_module
+
+    handle = torch_module.register_module_forward_hook(hook)
+    hooks = getattr(torch_module, "_global_forward_hooks", None)
+    if hooks is not None and hasattr(hooks, "move_to_end") and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)
+    return handle

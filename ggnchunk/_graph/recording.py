@@ -20,7 +20,9 @@ from ggnchunk._autograd import (
     accumulated_variable,
     edge_key,
     edge_of,
+    first_global_forward_hook,
     gather_of,
+    global_forward_hooks,
 )
 from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
@@ -78,14 +80,28 @@ class Recording(Sweeps, MemoryBound, Checks):
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
-        """Register the hooks (removed by :meth:`remove`)."""
+        """Register the hooks (removed by :meth:`remove`).
+
+        A layer's output is recorded before any user hook can replace it (what such a
+        hook computes from it is glue). A module's own hooks run after the global ones
+        (``register_module_forward_hook``), so where a global forward hook exists the
+        output is read by a global hook placed first.
+        """
+        ahead = global_forward_hooks()
         for module in self._units:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
             )
-            self._handles.append(
-                module.register_forward_hook(self._post_hook, prepend=True)
-            )
+            if not ahead:
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook, prepend=True)
+                )
+        if ahead:
+            self._handles.append(first_global_forward_hook(self._global_post_hook))
+
+    def _global_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if module in self._units:
+            self._post_hook(module, args, output)
 
     def remove(self) -> None:
         """Remove the hooks; safe to call more than once."""

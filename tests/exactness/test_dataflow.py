@@ -131,3 +131,49 @@ def test_layers_with_rules_need_no_per_sample_backward(monkeypatch, name):
     assert {call.name for call in calls if call.params} == {
         name for name, m in model.named_modules() if any(True for _ in m.parameters(False))
     }
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 3}, {"max_memory": "64MiB"}])
+@pytest.mark.parametrize("conv", [False, True])
+def test_global_forward_hooks_that_change_outputs(conv, kwargs):
+    """Global forward hooks that change layers' outputs are glue, as a layer's own hooks.
+
+    A hook for every module (``register_module_forward_hook``) runs before a layer's
+    own hooks: it replaced the output the engine recorded (relative error 0.8). The
+    user's global hooks keep their order and nothing of ggnchunk's stays behind.
+    """
+    from torch.nn.modules import module as torch_module
+
+    torch.manual_seed(0)
+    if conv:
+        model = nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, padding=1)
+        ).double()
+        x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+        layer = nn.Conv2d
+    else:
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+        x = torch.randn(3, 6, dtype=torch.float64)
+        layer = nn.Linear
+
+    def scale(module, args, output):
+        return output * 1.5 + 0.25 if isinstance(module, layer) else None
+
+    def observe(module, args, output):
+        return None
+
+    handles = [
+        torch_module.register_module_forward_hook(scale),
+        torch_module.register_module_forward_hook(observe),
+    ]
+    try:
+        before = list(torch_module._global_forward_hooks)
+        with torch.no_grad():
+            targets = torch.randn_like(model(x))
+        expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+        actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
+        assert list(torch_module._global_forward_hooks) == before
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert_diag_close(actual, expected, rtol=1e-9)
