@@ -99,9 +99,10 @@ class Recording(Sweeps, MemoryBound, Checks):
         if ahead:
             self._handles.append(first_global_forward_hook(self._global_post_hook))
 
-    def _global_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _global_post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if module in self._units:
-            self._post_hook(module, args, output)
+            return self._post_hook(module, args, output)
+        return None
 
     def remove(self) -> None:
         """Remove the hooks; safe to call more than once."""
@@ -137,23 +138,30 @@ class Recording(Sweeps, MemoryBound, Checks):
         stack.append((None, None, x._version, x))
         return None
 
-    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
         if threading.get_ident() != self._thread:
-            return
+            return None
         layer_left()
         stack = self._pending.get(id(module))
         entry = stack.pop() if stack else None
         if entry is None:
-            return
+            return None
         if not (isinstance(output, Tensor) and output.requires_grad):
-            return
+            return None
         if output.dim() == 0 or output.shape[0] != self._batch:
-            return
+            return None
         name, rule = self._units[module]
         leaf, source, version = entry[:3]
         x = leaf if leaf is not None else entry[3]
+        node, replaced = output.grad_fn, None
+        if output._is_view() and output._base is not x and output._base is not x._base:
+            # a view of the layer's own result (nn.Linear on [N, T, D]): an in-place
+            # operation on it (``q /= scale``) would rewrite the graph through its base
+            # and leave the recorded node off the path (relative error 1.0 measured);
+            # a copy is the layer's output instead, with its own node
+            output = replaced = output.clone()
         ctx = RuleContext(module, (x,), (version,), tuple(output.shape))
-        ctx.node = output.grad_fn
+        ctx.node = node
         ctx.index, ctx.images = len(self.calls), self.images
         rule.record(ctx)
         params = [
@@ -167,6 +175,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 output[0].numel(),
             )
         )  # fmt: skip
+        return replaced
 
     # -- plan ------------------------------------------------------------------------
     def plan(self, output: Tensor) -> None:

@@ -177,3 +177,58 @@ def test_global_forward_hooks_that_change_outputs(conv, kwargs):
         for handle in handles:
             handle.remove()
     assert_diag_close(actual, expected, rtol=1e-9)
+
+
+class _InPlaceOnOutputs(nn.Module):
+    """In-place operations on layers' outputs, as attention code writes them.
+
+    ``nn.Linear`` on ``[N, T, D]`` returns a view of its 2-d result: an in-place
+    operation on it rewrote the graph through the view's base, off the recorded layer
+    (relative error 1.0, any batch). Longformer's ``query_global(...)`` on
+    ``[1, N, D]`` (a batch of one looks per-sample there) then ``/= sqrt(d)``.
+    """
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+        self.embed, self.q, self.k = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):  # [N, T, 3]
+        h = torch.tanh(self.embed(x))
+        if self.case == "scale":
+            q = self.q(h)
+            q /= 2.0  # the query's scale, in place
+            k = self.k(h)
+            k.mul_(torch.sigmoid(h))
+            scores = torch.softmax((q @ k.transpose(1, 2)), -1)
+            return self.out((scores @ h).sum(1) + q[:, 0])
+        if self.case == "residual":
+            y = self.q(h)
+            y += h  # a residual added in place
+            torch.relu_(y)
+            return self.out(self.k(y).sum(1))
+        # "positions first": [T, N, D], a layer on one position [1, N, D]
+        t = h.transpose(0, 1)
+        g = self.q(t[:1].contiguous())
+        g /= 2.0
+        return self.out(g[0] + self.k(t).sum(0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_chunks": 3}, {"max_memory": "64MiB"}, {"batch_chunk_size": 1},
+     {"per_sample": True}],
+)  # fmt: skip
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("case", ["scale", "residual", "positions_first"])
+def test_in_place_operations_on_layer_outputs(case, n, kwargs):
+    torch.manual_seed(0)
+    model = _InPlaceOnOutputs(case).double()
+    x = torch.randn(n, 5, 3, dtype=torch.float64)
+    targets = torch.randint(0, 2, (n,))
+    loss = nn.CrossEntropyLoss()
+    actual = ggnchunk.diag_ggn(model, loss, x, targets, **kwargs)
+    if kwargs.get("per_sample"):
+        actual = {k: v.sum(0) for k, v in actual.items()}
+    assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
