@@ -23,6 +23,7 @@ The package, one family a file:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -161,6 +162,8 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     """
     if "forward" in vars(module) or parametrize.is_parametrized(module):
         return None
+    if isinstance(module, torch.jit.ScriptModule):  # traced or scripted: TorchScript
+        return None  # runs its graph without Python hooks; autograd's graph is exact
     forward = type(module).forward
     own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     for rule in RULES:

@@ -232,3 +232,29 @@ def test_in_place_operations_on_layer_outputs(case, n, kwargs):
     if kwargs.get("per_sample"):
         actual = {k: v.sum(0) for k, v in actual.items()}
     assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is deprecated
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
+@pytest.mark.parametrize("how", ["trace", "script"])
+@pytest.mark.parametrize("conv", [False, True])
+def test_torchscript_models(conv, how, kwargs):
+    """TorchScript runs its graph without Python hooks: the glue's exact path.
+
+    A traced model raised a raw ``AttributeError`` while its layers were matched to
+    rules.
+    """
+    torch.manual_seed(0)
+    if conv:
+        model = nn.Sequential(
+            nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 4)
+        ).double()
+        x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    else:
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+        x = torch.randn(3, 6, dtype=torch.float64)
+    targets = torch.randint(0, 4, (3,))
+    compiled = torch.jit.trace(model, x) if how == "trace" else torch.jit.script(model)
+    actual = ggnchunk.diag_ggn(compiled, nn.CrossEntropyLoss(), x, targets, **kwargs)
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
