@@ -705,6 +705,13 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             )
 
     def normalizer(self, loss_func, target) -> Tensor:
+        if isinstance(loss_func, nn.NLLLoss) and not target.is_floating_point():
+            # torch's weighted mean: over the weights of the targets not ignored
+            valid = target != loss_func.ignore_index
+            if loss_func.weight is None:
+                return valid.sum().double().cpu()
+            safe = torch.where(valid, target, torch.zeros_like(target))
+            return (loss_func.weight[safe] * valid).sum().double().cpu()
         return torch.tensor(float(target.numel()))
 
     @staticmethod
@@ -731,7 +738,9 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             checked, targets = torch.cat([output, output]), torch.cat([target, target])
             terms = torch.cat([terms, terms])
         total = loss_func(checked.detach(), targets).detach()
-        divisor = targets.numel() if loss_func.reduction == "mean" else 1
+        divisor = 1
+        if loss_func.reduction == "mean":
+            divisor = float(self.normalizer(loss_func, targets))
         expected = terms.sum() / divisor
         tolerance = (
             1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
@@ -751,7 +760,8 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         if not close:
             raise ValueError(
                 f"loss_func ({type(loss_func).__name__}) is not a "
-                f"{'mean' if divisor > 1 else 'sum'} of per-sample terms: the batch's loss "
+                f"{'mean' if loss_func.reduction == 'mean' else 'sum'} of per-sample "
+                "terms: the batch's loss "
                 f"is {float(total):.6g}, the per-sample losses give {float(expected):.6g}. "
                 "ggnchunk needs loss(output, target) = sum over samples of "
                 "loss(output[n:n+1], target[n:n+1]) (or that sum over the number of "

@@ -216,3 +216,28 @@ def test_outputs_of_one_number_per_sample(name, kwargs):
     if kwargs.get("per_sample"):
         actual = {k: v.sum(0) for k, v in actual.items()}
     assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}, {"batch_chunk_size": 2}]
+)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", ["weight", "ignore_index", "both"])
+def test_nll_loss_with_class_weights_and_ignored_targets(options, reduction, kwargs):
+    """``NLLLoss``'s weighted mean divides by the targets' weights, as cross-entropy's.
+
+    It was refused as "not a mean of per-sample terms".
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.LogSoftmax(1))
+    model = model.double()
+    x = torch.randn(5, 5, dtype=torch.float64)
+    targets = torch.tensor([0, 2, 2, 3, 1])
+    weight = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
+    loss = nn.NLLLoss(
+        weight=weight if options != "ignore_index" else None,
+        ignore_index=2 if options != "weight" else -100,
+        reduction=reduction,
+    )
+    actual = ggnchunk.diag_ggn(model, loss, x, targets, **kwargs)
+    assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
