@@ -627,6 +627,14 @@ class ZeroHessianWarning(UserWarning):
     """The loss Hessian w.r.t. the model output is zero: so is the GGN diagonal."""
 
 
+def _loss_name(loss_func: nn.Module) -> str:
+    """The user's name for the loss (a function's, or its module's class)."""
+    if isinstance(loss_func, FunctionLoss):
+        fn = loss_func.fn
+        return getattr(fn, "__name__", None) or type(fn).__name__
+    return type(loss_func).__name__
+
+
 class FunctionLoss(nn.Module):
     """A loss function ``fn(output, target)`` that sums per-sample terms, as a module.
 
@@ -759,7 +767,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                 term = _scaled(term, float(m))
         if not close:
             raise ValueError(
-                f"loss_func ({type(loss_func).__name__}) is not a "
+                f"loss_func ({_loss_name(loss_func)}) is not a "
                 f"{'mean' if loss_func.reduction == 'mean' else 'sum'} of per-sample "
                 "terms: the batch's loss "
                 f"is {float(total):.6g}, the per-sample losses give {float(expected):.6g}. "
@@ -768,9 +776,10 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                 "target elements for reduction='mean'); losses that couple samples have "
                 "no per-sample GGN."
                 + (
-                    " A plain function is taken as a sum over samples: for a mean, pass "
+                    " A plain function (or a loss module without a reduction attribute) "
+                    "is taken as a sum over samples: for a mean, pass "
                     "functools.partial(fn, reduction='sum') and rescale, or a loss module "
-                    "with reduction='mean'."
+                    "with reduction='mean' (an attribute its forward honours)."
                     if isinstance(loss_func, FunctionLoss)
                     else ""
                 )
@@ -857,6 +866,8 @@ def as_loss_module(loss_func: object) -> nn.Module:
             "log-variance on axis 1 ([N, 2, ...])."
         )
     if isinstance(loss_func, nn.Module):
+        if not hasattr(loss_func, "reduction"):  # a user's module computing a scalar:
+            return FunctionLoss(loss_func)  # as a function, checked to be a sum
         return loss_func
     if callable(loss_func):
         return FunctionLoss(loss_func)

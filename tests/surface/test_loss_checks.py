@@ -82,3 +82,34 @@ def test_losses_of_one_sample_are_still_accepted(reduction):
     split = ggnchunk.diag_ggn(model, LogCosh(), x, y, batch_chunk_size=1)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-12, atol=0)
+
+
+class _LogCoshSum(nn.Module):
+    """A user's loss module without a ``reduction`` attribute (a sum)."""
+
+    def forward(self, out, target):
+        return torch.log(torch.cosh(out - target)).sum()
+
+
+class _LogCoshMean(nn.Module):
+    """The same as a mean over every element, without a ``reduction`` attribute."""
+
+    def forward(self, out, target):
+        return torch.log(torch.cosh(out - target)).mean()
+
+
+def test_a_loss_module_without_reduction_is_taken_as_a_sum():
+    """A loss module without ``reduction`` is a function of (output, target).
+
+    It was refused with "reduction=None ... use L(reduction='mean')", an argument the
+    class does not have.
+    """
+    from tests.reference import assert_diag_close, reference_diag_ggn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    actual = ggnchunk.diag_ggn(model, _LogCoshSum(), x, y, num_chunks=2)
+    assert_diag_close(actual, reference_diag_ggn(model, _LogCoshSum(), x, y), rtol=1e-9)
+    with pytest.raises(ValueError, match=r"_LogCoshMean\) is not a sum.*reduction"):
+        ggnchunk.diag_ggn(model, _LogCoshMean(), x, y)
