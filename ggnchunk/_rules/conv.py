@@ -425,6 +425,23 @@ class ConvRule(LayerRule):
                                       module.dilation)
         )  # fmt: skip
         weight = module.weight.detach()
+        positions = math.prod(grads.shape[3:])
+        if (
+            dims == 2 and module.groups == 1
+            and v * n * positions * weight[0].numel() <= weight.numel()
+        ):  # fmt: skip
+            # few vectors on few positions (a deep stage, a small chunk): the patches'
+            # gradients as one product and summed back onto the input. oneDNN's kernels
+            # reorder the whole weight first (9 MiB for ResNet-18's last stage, as much
+            # as 60 columns' patches there), which set the floor of a tight budget
+            patches = torch.matmul(
+                folded.reshape(v * n, folded.shape[1], positions).transpose(1, 2),
+                weight.reshape(weight.shape[0], -1),
+            )  # [V*N, P, Cin*K]
+            result = F.fold(
+                patches.transpose(1, 2), x.shape[2:], kernel, dilation, padding, stride
+            )
+            return result.reshape(v, n, *x.shape[1:])
         if weight.numel() > SMALL_WEIGHT:  # oneDNN's transposed convolution reorders
             # the weight (+9 MiB on ResNet-18's last stage): the input gradient kernel
             result = torch.ops.aten.convolution_backward(

@@ -345,3 +345,51 @@ def test_max_pooling_whose_indices_unpool(functional, conv_after, kwargs):
     actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
     expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
     assert_diag_close(actual, expected, rtol=1e-9)
+
+
+class _DeepStage(nn.Module):
+    """A deep, narrow-map stage (ResNet's last): wide convolutions on 1x1 to 4x4 maps."""
+
+    def __init__(self, frozen: bool):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 16, 3, stride=2, padding=1)  # 8x8 -> 4x4
+        self.deep = nn.Sequential(
+            nn.Conv2d(16, 32, 3, padding=2, dilation=2), nn.ReLU(),  # 4x4
+            nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.Tanh(),  # 2x2
+            nn.Conv2d(32, 24, 2, stride=1, padding=0),  # 1x1
+        )  # fmt: skip
+        self.head = nn.Linear(24, 10)
+        if frozen:
+            self.deep.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.deep(torch.relu(self.stem(x))).flatten(1))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 10}, {"num_chunks": 4},
+                                    {"max_memory": "64MiB"}])  # fmt: skip
+@pytest.mark.parametrize("frozen", [False, True])
+def test_convolutions_backpropagated_as_one_product_on_small_maps(
+    frozen, kwargs, monkeypatch
+):
+    """Few vectors on few positions: a convolution crossed as one product, then folded.
+
+    No weight reorder; stride, padding, dilation, frozen or not, exact; the path is
+    taken where the columns' patches are smaller than the weight.
+    """
+    from ggnchunk._rules import conv
+
+    folds = []
+    original = conv.F.fold
+    monkeypatch.setattr(
+        conv.F, "fold", lambda *a, **k: folds.append(1) or original(*a, **k)
+    )
+    torch.manual_seed(0)
+    model = _DeepStage(frozen).double()
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64)
+    targets = torch.randint(0, 10, (2,))
+    actual = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, targets, **kwargs)
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
+    if kwargs.get("num_chunks") == 10:  # one column per pass: the deep layers fold
+        assert folds
