@@ -1,15 +1,16 @@
-r"""Pads, pooling, shuffles, flips, masks, gathers and softmax in glue: all columns at once.
+r"""Pads, pooling, shuffles, flips, masks, gathers, softmax, convolutions in glue, batched.
 
 torch's batching (``torch.autograd.grad(..., is_grads_batched=True)``) has no rule for
 the backward kernels of ``F.pad`` (every mode), max and average pooling (also adaptive),
 ``pixel_shuffle``, ``flip``, ``roll``, ``masked_fill``, ``where``, ``softmax``, batch
-norm or ``table[index]``: it runs them once per column (one kernel launch each). While
-the engine's forward pass runs, :func:`ggnchunk._folding.folded_glue` routes those calls
-outside layers with a rule through :class:`_FoldedGlue` (:class:`_FoldedNorm` for batch
-norm): its forward is the user's own call (same function, same arguments; nothing of the
-user's code runs again), and its backward runs on all columns at once
-(:func:`ggnchunk._autograd.on_columns`), with the columns folded into the kernels' batch
-axis:
+norm, ``table[index]`` or a convolution: it runs them once per column (one kernel
+launch each). While the engine's forward pass runs,
+:func:`ggnchunk._folding.folded_glue` routes those calls outside layers with a rule
+through :class:`_FoldedGlue` (:class:`_FoldedNorm` for batch norm, :class:`_FoldedConv`
+for convolutions): its forward is the user's own call (same function, same arguments;
+nothing of the user's code runs again), and its backward runs on all columns at once
+(:func:`ggnchunk._autograd.on_columns`), with the columns folded into the kernels'
+batch axis:
 
 - **linear calls** (pads, average pooling, pixel shuffles, ``flip``, ``roll``, and
   ``masked_fill`` and ``where`` in the tensor that needs grad): torch's own backward
@@ -22,7 +23,11 @@ axis:
 - **batch norm with running statistics** (timm's ``BatchNormAct2d``): an affine map per
   channel, with the weight's and bias's products;
 - **rows of a table** (``table[index]``, relative-position tables): the columns added
-  back at their rows (``index_add``).
+  back at their rows (``index_add``);
+- **convolutions** whose weight is computed in ``forward`` or fixed (weight
+  standardization, weight and spectral norm, a blur kernel; :class:`_FoldedConv`): the
+  input's products as one ``convolution_backward`` on ``V * N`` samples, the weight's as
+  one with ``V * Cout`` output channels (the samples summed, as autograd sums them).
 
 On the CPU (``benchmarks/results/glue-kernels-*``) this is 1.4-2× faster than torch's
 loop per call for most of them. Layer, group and instance norms in the glue are left to
@@ -92,6 +97,99 @@ class _FoldedNorm(torch.autograd.Function):
         spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
         results = on_columns([grad], lambda g: spec.transposed(x, weight, g, needs))
         return (None, *results)
+
+
+class _FoldedConv(torch.autograd.Function):
+    """A convolution in the glue: all columns at once, input, weight and bias."""
+
+    @staticmethod
+    def forward(ctx, spec: _Conv, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = spec.call(x, weight, bias)
+        ctx.spec = spec
+        # per column: its vectors in the weight product's order, and its weight product
+        ctx.workspace = out.numel() + (weight.numel() if weight.requires_grad else 0)
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.in_shape = tuple(x.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
+        results = on_columns(
+            [grad], lambda g: spec.transposed(x, weight, ctx.in_shape, g, needs)
+        )
+        return (None, *results)
+
+
+class _Conv:
+    r"""``F.conv1d/2d/3d`` whose weight is computed in ``forward`` or fixed.
+
+    Weight standardization (timm's ``StdConv2d``, NFNets), weight and spectral norm
+    (parametrized layers), a fixed blur kernel: layers without a rule, whose
+    ``convolution_backward`` torch's batching runs once per column. Here the columns
+    are folded into the batch for the input's products (:math:`V N` samples), and into
+    the output channels for the weight's (one weight gradient of :math:`V C_{out}`
+    channels, the samples summed as autograd sums them).
+    """
+
+    def __init__(self, args: dict[str, Any], dims: int):
+        self.args, self.dims = args, dims
+        self.input: Tensor
+        self.weight: Tensor
+        self.bias: Tensor | None = None
+
+    def call(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return conv(x, weight, bias, **self.args)
+
+    def release(self) -> None:
+        """Drop the call's tensors (the node saves what its backward needs)."""
+        self.input = self.weight = self.bias = None
+
+    def transposed(
+        self, x: Tensor | None, weight: Tensor, in_shape: tuple[int, ...], grads: Tensor,
+        needs: tuple[bool, ...],
+    ) -> tuple[Tensor | None, ...]:  # fmt: skip
+        """The columns' products at the input, the weight and the bias.
+
+        Args:
+            x: The recorded input ``[N, Cin, *S]`` (``None`` if the weight needs none).
+            weight: The recorded weight ``[Cout, Cin / G, *K]``.
+            in_shape: The input's shape.
+            grads: The columns at the output, ``[V, N, Cout, *S']``.
+            needs: Which of input, weight and bias need them.
+
+        Returns:
+            ``[V, N, Cin, *S]``, ``[V, *weight.shape]``, ``[V, Cout]`` (or ``None``).
+        """
+        v, n, c = grads.shape[:3]
+        out = grads.shape[3:]
+        args, g = self.args, self.args["groups"]
+        common = (args["stride"], args["padding"], args["dilation"], False,
+                  [0] * self.dims, g)  # fmt: skip
+        dx = dw = db = None
+        w = weight.detach()
+        if needs[0]:
+            folded = grads.reshape(v * n, c, *out)
+            dx = torch.ops.aten.convolution_backward(
+                folded, folded.new_empty(1).expand(v * n, *in_shape[1:]), w, None,
+                *common, [True, False, False],
+            )[0].reshape(v, n, *in_shape[1:])  # fmt: skip
+        if needs[1] and x is not None:
+            # channels in the order [G, V, Cout/G]: each group's columns side by side
+            order = grads.reshape(v, n, g, c // g, *out).transpose(0, 1).transpose(1, 2)
+            order = order.reshape(n, g * v * (c // g), *out)
+            shape = (g * v * (c // g), *w.shape[1:])
+            dw = torch.ops.aten.convolution_backward(
+                order, x.detach(), w.new_empty(1).expand(shape), None, *common,
+                [False, True, False],
+            )[1]  # fmt: skip
+            dw = dw.reshape(g, v, c // g, *w.shape[1:]).transpose(0, 1)
+            dw = dw.reshape(v, *w.shape)
+        if needs[2]:
+            db = grads.sum([1, *range(3, grads.dim())])
+        return dx, dw, db
 
 
 class _BatchNormEval:
@@ -695,6 +793,35 @@ def _batch_norm(args: tuple, kwargs: dict) -> _BatchNormEval | None:
     return spec
 
 
+def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+    def fold(args: tuple, kwargs: dict) -> _Conv | None:
+        bound = _bind(names, args, kwargs)
+        if bound is None:
+            return None
+        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if not (_norm_input(x, w, b) and _plain(w)) or x.dim() != dims + 2:
+            return None  # an unbatched input, or nothing needs grad: torch's own
+        if x.dtype != w.dtype or w.dim() != dims + 2 or x.numel() == 0:
+            return None
+        if b is not None and not (_plain(b) and b.dtype == w.dtype and b.dim() == 1):
+            return None
+        stride = _ints(bound.get("stride", 1), dims)
+        padding = _ints(bound.get("padding", 0), dims)  # "same"/"valid": torch's own
+        dilation = _ints(bound.get("dilation", 1), dims)
+        groups = bound.get("groups", 1)
+        if None in (stride, padding, dilation) or not isinstance(groups, int):
+            return None
+        args = {"stride": list(stride), "padding": list(padding),
+                "dilation": list(dilation), "groups": groups}  # fmt: skip
+        spec = _Conv(args, dims)
+        spec.input, spec.weight, spec.bias = x, w, b
+        return spec
+
+    return fold
+
+
 def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     """``table[index]`` with one integer tensor: rows gathered (a parameter's, mostly)."""
     if len(args) != 2 or kwargs:
@@ -753,7 +880,7 @@ _ADAPTIVE_MAX = frozenset({
 _ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
 _SOFTMAX = {False: torch.softmax, True: torch.log_softmax}
 
-FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _BatchNormEval | None]] = {
+FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _BatchNormEval | _Conv | None]] = {
     F.pad: _pad,
     **{f: _avg_pool(f) for f in (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)},
     **{f: _adaptive_avg_pool(f) for f in _ADAPTIVE_AVG},
@@ -775,6 +902,9 @@ FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _BatchNormEval | None]] = {
     torch.where: _where,
     F.batch_norm: _batch_norm,
     Tensor.__getitem__: _getitem,
+    F.conv1d: _conv(1),
+    F.conv2d: _conv(2),
+    F.conv3d: _conv(3),
 }
 """The glue calls folded, by the function torch's function mode sees."""
 
@@ -800,6 +930,8 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         if isinstance(spec, _BatchNormEval):
             return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
+        if isinstance(spec, _Conv):
+            return _FoldedConv.apply(spec, spec.input, spec.weight, spec.bias)
         return _FoldedGlue.apply(spec, spec.input)
     finally:  # the graph keeps what the backward needs, not the call's inputs
         spec.release()
@@ -814,6 +946,8 @@ def glue_kernel_workspace(node: Any) -> int:
     Returns:
         The workspace (all samples together), or 0 for other nodes.
     """
-    if isinstance(node, (_FoldedGlue._backward_cls, _FoldedNorm._backward_cls)):
+    folded = (_FoldedGlue._backward_cls, _FoldedNorm._backward_cls,
+              _FoldedConv._backward_cls)  # fmt: skip
+    if isinstance(node, folded):
         return int(getattr(node, "workspace", 0))
     return 0

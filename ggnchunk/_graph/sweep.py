@@ -384,7 +384,8 @@ class Sweeps(Traversal):
             "per square-root column, which is exact but can be many times slower. Layers "
             "with a rule (see ggnchunk.supported_layers_table()), frozen or not, "
             "F.scaled_dot_product_attention without dropout, F.interpolate, and pads, "
-            "pooling, softmax, flips and masks in the glue (docs/supported.md) are "
+            "pooling, softmax, flips, masks and convolutions in the glue "
+            "(docs/supported.md) are "
             "crossed by all columns at once: use those modules or calls instead of "
             "other functional calls or custom layers there, or call model.eval() if "
             "dropout inside attention is the cause.",

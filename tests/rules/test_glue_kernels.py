@@ -518,3 +518,102 @@ def test_models_with_folded_glue_on_a_batch_of_one(name):
     per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)
     for name_, value in per_sample.items():
         torch.testing.assert_close(value[0], got[name_], rtol=1e-9, atol=1e-12)
+
+
+# name: (input shape, weight shape, with a bias, the call's options). A convolution in
+# the glue: a weight computed in forward (weight standardization, weight or spectral
+# norm) or fixed; torch's batching ran its backward once per column.
+CONVS = {
+    "conv2d": ((2, 3, 6, 5), (4, 3, 3, 3), True, {"padding": 1}),
+    "conv2d-stride-dilation": ((2, 3, 9, 8), (4, 3, 3, 2), True,
+                               {"stride": (2, 1), "padding": (2, 0), "dilation": 2}),
+    "conv2d-groups": ((2, 4, 6, 6), (6, 2, 3, 3), True, {"groups": 2, "padding": 1}),
+    "conv2d-depthwise-no-bias": ((2, 4, 5, 5), (4, 1, 3, 3), False, {"groups": 4}),
+    "conv1d": ((2, 3, 9), (5, 3, 4), True, {"stride": 2}),
+    "conv3d": ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), True, {"padding": (1, 0, 1)}),
+}  # fmt: skip
+CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@pytest.mark.parametrize("needs", ["all", "weight-only", "input-only"])
+@pytest.mark.parametrize("name", CONVS)
+def test_folded_convolutions_match_autograd_at_input_weight_and_bias(name, needs):
+    """Batched backward equals autograd's per column at the input, weight and bias."""
+    shape, wshape, with_bias, options = CONVS[name]
+    conv = CONV_FUNCTIONS[len(shape) - 2]
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=needs != "weight-only")
+    w = torch.randn(wshape, dtype=torch.float64, requires_grad=needs != "input-only")
+    b = None
+    if with_bias:
+        b = torch.randn(wshape[0], dtype=torch.float64, requires_grad=needs != "input-only")
+    expected = conv(x, w, b, **options)
+    with folded_glue():
+        got = conv(x, w, b, **options)
+    assert "_FoldedConvBackward" in str(got.grad_fn), "the call was not folded"
+    assert torch.equal(got, expected), "the folded call computed something else"
+    wanted = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    grads = torch.randn(5, *got.shape, dtype=got.dtype)
+    seen: list[str] = []
+    batched = batched_grad([got], wanted, [grads], note=seen.append)
+    assert not seen, f"columns looped over: {seen}"
+    for value, tensor in zip(batched, wanted, strict=True):
+        reference = torch.stack(
+            [torch.autograd.grad(expected, tensor, g, retain_graph=True)[0] for g in grads]
+        )
+        torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
+    singles = torch.autograd.grad(got, wanted, grads[1], retain_graph=True)
+    for value, tensor in zip(singles, wanted, strict=True):
+        reference = torch.autograd.grad(expected, tensor, grads[1], retain_graph=True)[0]
+        torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
+
+
+class _StdConv2d(nn.Conv2d):
+    """timm's ``StdConv2d``: the weight standardized per output channel in forward."""
+
+    def forward(self, x):
+        w = self.weight
+        mean = w.mean((1, 2, 3), keepdim=True)
+        var = w.var((1, 2, 3), keepdim=True, unbiased=False)
+        w = (w - mean) / torch.sqrt(var + 1e-6)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)  # fmt: skip
+
+
+class _ComputedWeights(nn.Module):
+    """Convolutions without a rule: standardized, weight-normed, spectral, a fixed blur."""
+
+    def __init__(self):
+        super().__init__()
+        self.std = _StdConv2d(2, 4, 3, padding=1)
+        self.norm = nn.utils.parametrizations.weight_norm(
+            nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        )
+        self.spectral = nn.utils.parametrizations.spectral_norm(nn.Conv1d(4, 3, 2))
+        blur = torch.tensor([1.0, 2.0, 1.0])
+        self.register_buffer(
+            "blur", (blur[:, None] * blur[None, :] / 16).expand(4, 1, 3, 3)
+        )
+        self.head = nn.Linear(3 * 35, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.std(x))
+        h = F.conv2d(h, self.blur.to(h.dtype), padding=1, groups=4)  # fixed weight
+        h = torch.relu(self.norm(h))
+        return self.head(self.spectral(h.flatten(2)).flatten(1))
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
+@pytest.mark.parametrize("kwargs", [*CHUNKINGS, {"batch_chunk_size": 1}], ids=str)
+def test_convolutions_with_computed_weights_match_the_brute_force(kwargs):
+    torch.manual_seed(0)
+    model = _ComputedWeights().double().eval()
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    targets = torch.randint(0, 5, (3,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, targets, **kwargs)
+    loops = [str(w.message) for w in caught if "convolution_backward" in str(w.message)]
+    assert not loops, loops
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
