@@ -41,7 +41,7 @@ from ggnchunk._scheduling import (
     plan_chunks,
     planning_share,
 )
-from ggnchunk._sqrt_hessians import AutogradLossSqrtHessian
+from ggnchunk._sqrt_hessians import AutogradLossSqrtHessian, averages
 from ggnchunk._warmup import ensure_batched_autograd, warm_up_for
 
 
@@ -576,7 +576,7 @@ def _compute(
     merged: Quantity | None = None
     gradient = [torch.zeros_like(p) for p in params] if with_gradient else []
     loss = torch.zeros((), dtype=problem.dtype, device=problem.device)
-    mean = problem.loss_func is not None and problem.loss_func.reduction == "mean"
+    mean = problem.loss_func is not None and averages(problem.loss_func)
     tracker = (
         memory_backend(
             problem.device,
@@ -958,7 +958,7 @@ def _evaluate(
     group = resolve_group(True, model) if options.column_parallel else None
     loss_func = problem.loss_func
     normalizer = 1.0
-    if loss_func.reduction == "mean":
+    if averages(loss_func):
         normalizer = float(problem.handler.normalizer(loss_func, targets))
         if normalizer == 0 and scale is None:  # (a dataset loop scales by its total)
             raise ValueError(

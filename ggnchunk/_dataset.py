@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ggnchunk._api import ChunkOptions, GGNReport, evaluate
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 from ggnchunk._quantities import Sampling
-from ggnchunk._sqrt_hessians import as_loss_module
+from ggnchunk._sqrt_hessians import as_loss_module, averages
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
 
@@ -305,7 +305,7 @@ class DiagGGNAccumulator:
             ``model.named_parameters()``.
         """
         total = self._require()
-        if self.loss_func.reduction == "mean":
+        if averages(self.loss_func):
             return {name: value / self.normalizer for name, value in total.items()}
         return {name: value.clone() for name, value in total.items()}
 

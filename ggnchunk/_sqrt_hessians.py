@@ -31,6 +31,7 @@ __all__ = [
     "LOSSES",
     "LossSqrtHessian",
     "SqrtHessianFactor",
+    "averages",
     "identity_factor",
     "lookup_loss",
     "sampled_factor",
@@ -233,8 +234,22 @@ class LossSqrtHessian(ABC):
         """
 
 
+def averages(loss_func: nn.Module) -> bool:
+    """Whether the loss divides its sum by a normalizer (``"mean"``, KL's ``"batchmean"``).
+
+    Args:
+        loss_func: The loss module.
+
+    Returns:
+        True for ``reduction="mean"`` and ``"batchmean"``.
+    """
+    return getattr(loss_func, "reduction", None) in ("mean", "batchmean")
+
+
 def _reduction_checked(loss_func: nn.Module) -> str:
     reduction = getattr(loss_func, "reduction", None)
+    if reduction == "batchmean" and isinstance(loss_func, nn.KLDivLoss):
+        return reduction  # the sum over the batch size
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f"loss_func has reduction={reduction!r}; ggnchunk needs a scalar loss. "
@@ -713,6 +728,8 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             )
 
     def normalizer(self, loss_func, target) -> Tensor:
+        if getattr(loss_func, "reduction", None) == "batchmean":
+            return torch.tensor(float(target.shape[0]))
         if isinstance(loss_func, nn.NLLLoss) and not target.is_floating_point():
             # torch's weighted mean: over the weights of the targets not ignored
             valid = target != loss_func.ignore_index
@@ -747,7 +764,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             terms = torch.cat([terms, terms])
         total = loss_func(checked.detach(), targets).detach()
         divisor = 1
-        if loss_func.reduction == "mean":
+        if averages(loss_func):
             divisor = float(self.normalizer(loss_func, targets))
         expected = terms.sum() / divisor
         tolerance = (
@@ -768,7 +785,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         if not close:
             raise ValueError(
                 f"loss_func ({_loss_name(loss_func)}) is not a "
-                f"{'mean' if loss_func.reduction == 'mean' else 'sum'} of per-sample "
+                f"{'mean' if averages(loss_func) else 'sum'} of per-sample "
                 "terms: the batch's loss "
                 f"is {float(total):.6g}, the per-sample losses give {float(expected):.6g}. "
                 "ggnchunk needs loss(output, target) = sum over samples of "
@@ -800,6 +817,17 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             hess = diag * float(scale)
             if bool((hess < 0).any()):
                 self._warn_not_convex(loss_func)
+            if isinstance(loss_func, nn.KLDivLoss):
+                warnings.warn(
+                    "ggnchunk: nn.KLDivLoss is linear in its input (the model's "
+                    "log-probabilities), so its Hessian w.r.t. the model output and "
+                    "the GGN diagonal are all zeros. For the Fisher of a categorical "
+                    "model, output logits and use nn.CrossEntropyLoss with the target "
+                    "probabilities (or a function applying log_softmax inside the "
+                    "loss).",
+                    ZeroHessianWarning,
+                    stacklevel=user_stacklevel(),
+                )
             if isinstance(loss_func, nn.L1Loss):  # (a sub-batch's zero is no reason)
                 warnings.warn(
                     "ggnchunk: the Hessian of loss_func (L1Loss) w.r.t. the model output "

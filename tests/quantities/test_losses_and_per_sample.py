@@ -241,3 +241,26 @@ def test_nll_loss_with_class_weights_and_ignored_targets(options, reduction, kwa
     )
     actual = ggnchunk.diag_ggn(model, loss, x, targets, **kwargs)
     assert_diag_close(actual, reference_diag_ggn(model, loss, x, targets), rtol=1e-9)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"batch_chunk_size": 2}, {"max_memory": "64MiB"}])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_kl_divergence_is_linear_in_its_input_and_says_so(reduction, kwargs):
+    """``KLDivLoss`` has no curvature in the model's log-probabilities: zeros, warned.
+
+    ``reduction="batchmean"``, torch's recommended one, was refused.
+    """
+    from ggnchunk._sqrt_hessians import ZeroHessianWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), nn.LogSoftmax(1))
+    model = model.double()
+    x = torch.randn(5, 5, dtype=torch.float64)
+    targets = torch.softmax(torch.randn(5, 3, dtype=torch.float64), 1)
+    loss = nn.KLDivLoss(reduction=reduction)
+    with pytest.warns(ZeroHessianWarning, match="linear in its input.*CrossEntropyLoss"):
+        actual = ggnchunk.diag_ggn(model, loss, x, targets, **kwargs)
+    expected = reference_diag_ggn(model, loss, x, targets)
+    for name, value in actual.items():
+        assert torch.equal(value, torch.zeros_like(value)), name
+        assert float(expected[name].abs().max()) < 1e-12, name
