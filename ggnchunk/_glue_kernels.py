@@ -27,7 +27,9 @@ batch axis:
 - **convolutions** whose weight is computed in ``forward`` or fixed (weight
   standardization, weight and spectral norm, a blur kernel; :class:`_FoldedConv`): the
   input's products as one ``convolution_backward`` on ``V * N`` samples, the weight's as
-  one with ``V * Cout`` output channels (the samples summed, as autograd sums them).
+  one with ``V * Cout`` output channels (the samples summed, as autograd sums them);
+- **weight norm** (``torch._weight_norm``, weight-normed layers): its two products in
+  closed form on the columns (:class:`_FoldedWeightNorm`).
 
 On the CPU (``benchmarks/results/glue-kernels-*``) this is 1.4-2× faster than torch's
 loop per call for most of them. Layer, group and instance norms in the glue are left to
@@ -190,6 +192,71 @@ class _Conv:
         if needs[2]:
             db = grads.sum([1, *range(3, grads.dim())])
         return dx, dw, db
+
+
+class _FoldedWeightNorm(torch.autograd.Function):
+    """``torch._weight_norm(v, g, dim)`` (weight-normed layers): all columns at once."""
+
+    @staticmethod
+    def forward(ctx, spec: _WeightNorm, v: Tensor, g: Tensor) -> Tensor:
+        out = torch._weight_norm(v, g, spec.dim)
+        ctx.spec = spec
+        ctx.workspace = 2 * v.numel()  # the products with the direction, per column
+        ctx.save_for_backward(v, g)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        v, g = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad[1:3]
+        results = on_columns([grad], lambda gw: spec.transposed(v, g, gw, needs))
+        return (None, *results)
+
+
+class _WeightNorm:
+    r"""``w = g \, v / \lVert v \rVert`` (the norm over every axis but ``dim``).
+
+    With :math:`u = v / \lVert v \rVert`: :math:`\partial g = \sum \partial w \odot u`
+    and :math:`\partial v = (g / \lVert v \rVert)(\partial w - u \sum \partial w \odot u)`,
+    the sums over the axes the norm is taken over, per column.
+    """
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.input: Tensor
+        self.g: Tensor
+
+    def release(self) -> None:
+        """Drop the call's tensors (the node saves what its backward needs)."""
+        self.input = self.g = None
+
+    def transposed(
+        self, v: Tensor, g: Tensor, grads: Tensor, needs: tuple[bool, ...]
+    ) -> tuple[Tensor | None, ...]:
+        """The columns' products at ``v`` and ``g``.
+
+        Args:
+            v: The direction, the weight's shape.
+            g: The magnitude (ones on the normed axes, or a scalar for ``dim=-1``).
+            grads: The columns at the weight, ``[V, *v.shape]``.
+            needs: Which of ``v`` and ``g`` need them.
+
+        Returns:
+            ``[V, *v.shape]`` and ``[V, *g.shape]`` (or ``None``).
+        """
+        v, g = v.detach(), g.detach()
+        axes = tuple(range(v.dim())) if self.dim == -1 else tuple(
+            a for a in range(v.dim()) if a != self.dim % v.dim()
+        )  # fmt: skip
+        norm = v.square().sum(axes, keepdim=True).sqrt()
+        u = v / norm
+        along = (grads * u).sum(tuple(a + 1 for a in axes), keepdim=True)  # [V, ...1...]
+        dg = dv = None
+        if needs[1]:
+            dg = along.reshape(grads.shape[0], *g.shape)
+        if needs[0]:
+            dv = (g.reshape(norm.shape) / norm) * (grads - u * along)
+        return dv, dg
 
 
 class _BatchNormEval:
@@ -822,6 +889,27 @@ def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
     return fold
 
 
+def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
+    bound = _bind(("v", "g", "dim"), args, kwargs)
+    if bound is None:
+        return None
+    v, g, dim = bound.get("v"), bound.get("g"), bound.get("dim", 0)
+    if not (_plain(v) and _plain(g) and isinstance(dim, int) and v.dim() > 0):
+        return None
+    if not (v.requires_grad or g.requires_grad) or not torch.is_grad_enabled():
+        return None
+    if v.dtype != g.dtype or not -v.dim() <= dim < v.dim():
+        return None
+    if dim == -1 or (dim < 0 and v.dim() == 1):
+        if g.numel() != 1:
+            return None
+    elif g.numel() != v.shape[dim] or g.dim() not in (1, v.dim()):
+        return None
+    spec = _WeightNorm(dim)
+    spec.input, spec.g = v, g
+    return spec
+
+
 def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     """``table[index]`` with one integer tensor: rows gathered (a parameter's, mostly)."""
     if len(args) != 2 or kwargs:
@@ -880,7 +968,7 @@ _ADAPTIVE_MAX = frozenset({
 _ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
 _SOFTMAX = {False: torch.softmax, True: torch.log_softmax}
 
-FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _BatchNormEval | _Conv | None]] = {
+FOLDERS: dict[Any, Callable[[tuple, dict], Any]] = {
     F.pad: _pad,
     **{f: _avg_pool(f) for f in (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)},
     **{f: _adaptive_avg_pool(f) for f in _ADAPTIVE_AVG},
@@ -905,6 +993,7 @@ FOLDERS: dict[Any, Callable[[tuple, dict], _Spec | _BatchNormEval | _Conv | None
     F.conv1d: _conv(1),
     F.conv2d: _conv(2),
     F.conv3d: _conv(3),
+    torch._weight_norm: _weight_norm,
 }
 """The glue calls folded, by the function torch's function mode sees."""
 
@@ -932,6 +1021,8 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
             return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
         if isinstance(spec, _Conv):
             return _FoldedConv.apply(spec, spec.input, spec.weight, spec.bias)
+        if isinstance(spec, _WeightNorm):
+            return _FoldedWeightNorm.apply(spec, spec.input, spec.g)
         return _FoldedGlue.apply(spec, spec.input)
     finally:  # the graph keeps what the backward needs, not the call's inputs
         spec.release()
@@ -947,7 +1038,7 @@ def glue_kernel_workspace(node: Any) -> int:
         The workspace (all samples together), or 0 for other nodes.
     """
     folded = (_FoldedGlue._backward_cls, _FoldedNorm._backward_cls,
-              _FoldedConv._backward_cls)  # fmt: skip
+              _FoldedConv._backward_cls, _FoldedWeightNorm._backward_cls)  # fmt: skip
     if isinstance(node, folded):
         return int(getattr(node, "workspace", 0))
     return 0

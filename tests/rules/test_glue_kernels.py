@@ -613,7 +613,38 @@ def test_convolutions_with_computed_weights_match_the_brute_force(kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, targets, **kwargs)
-    loops = [str(w.message) for w in caught if "convolution_backward" in str(w.message)]
+    folded = ("convolution_backward", "_weight_norm_interface_backward")
+    loops = [str(w.message) for w in caught if any(f in str(w.message) for f in folded)]
     assert not loops, loops
     expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, targets)
     assert_diag_close(actual, expected, rtol=1e-9)
+
+
+# dim: (direction shape, magnitude shape); -1: one norm over the whole tensor
+WEIGHT_NORMS = {0: ((4, 3, 3, 3), (4, 1, 1, 1)), 1: ((5, 6), (1, 6)), -1: ((3, 4), ()),
+                2: ((2, 3, 4), (1, 1, 4))}  # fmt: skip
+
+
+@pytest.mark.parametrize("needs", ["both", "direction", "magnitude"])
+@pytest.mark.parametrize("dim", WEIGHT_NORMS)
+def test_folded_weight_norm_matches_autograd(dim, needs):
+    """``torch._weight_norm`` (weight-normed layers) batched, without a per-column loop."""
+    vshape, gshape = WEIGHT_NORMS[dim]
+    torch.manual_seed(0)
+    v = torch.randn(vshape, dtype=torch.float64, requires_grad=needs != "magnitude")
+    g = torch.randn(gshape, dtype=torch.float64, requires_grad=needs != "direction")
+    expected = torch._weight_norm(v, g, dim)
+    with folded_glue():
+        got = torch._weight_norm(v, g, dim)
+    assert "_FoldedWeightNormBackward" in str(got.grad_fn), "the call was not folded"
+    assert torch.equal(got, expected)
+    wanted = [t for t in (v, g) if t.requires_grad]
+    grads = torch.randn(5, *got.shape, dtype=got.dtype)
+    seen: list[str] = []
+    batched = batched_grad([got], wanted, [grads], note=seen.append)
+    assert not seen, f"columns looped over: {seen}"
+    for value, tensor in zip(batched, wanted, strict=True):
+        reference = torch.stack(
+            [torch.autograd.grad(expected, tensor, c, retain_graph=True)[0] for c in grads]
+        )
+        torch.testing.assert_close(value, reference, rtol=1e-11, atol=1e-12)
