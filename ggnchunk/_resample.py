@@ -199,10 +199,13 @@ def axis_matrices(x: Tensor, options: dict[str, Any]) -> tuple[Tensor, ...] | No
 
 
 def _out_sizes(x: Tensor, options: dict[str, Any]) -> tuple[int, ...]:
-    """The call's output sizes along the spatial axes, from shapes alone where possible."""
-    try:
-        out = INTERPOLATE(torch.empty(x.shape, dtype=x.dtype, device="meta"), **options)
-    except (RuntimeError, NotImplementedError):  # a mode without a meta kernel
-        with torch.no_grad():
-            out = INTERPOLATE(x.detach(), **options)
+    """The call's output sizes along the spatial axes: the call on one map of zeros.
+
+    Not on the ``meta`` device: its kernels for the linear modes are Python
+    decompositions whose first use imports ``torch._dynamo`` (44 MiB of modules, counted
+    as in use after a first budgeted call's forward pass: 4,096 one-column passes where
+    a second call planned 29).
+    """
+    with torch.no_grad():
+        out = INTERPOLATE(x.new_zeros((1, 1, *x.shape[2:])), **options)
     return tuple(out.shape[2:])
