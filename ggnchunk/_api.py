@@ -595,6 +595,8 @@ def _compute(
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
         sub_targets = targets[start:stop] if targets is not None else None
         quantity = spec(problem, stop - start)
+        if merged is not None:
+            quantity.continues(merged)
         key = _cache_key(problem, part)
         run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling, key)
         with run:

@@ -267,6 +267,16 @@ class Quantity:
         """
         raise NotImplementedError  # pragma: no cover - each quantity defines it
 
+    def continues(self, earlier: Quantity) -> None:
+        """Before its forward pass: this sub-batch follows ``earlier``'s (merged) ones.
+
+        A quantity that builds large results at its forward pass may add them to the
+        earlier ones in place instead (nothing by default).
+
+        Args:
+            earlier: The merged quantity of the earlier sub-batches.
+        """
+
     def all_reduce(self, group: Any) -> None:
         """Sum over the ranks of a column-parallel call (every rank joins).
 
@@ -533,6 +543,15 @@ class KroneckerFactors(Quantity):
         super().__init__(problem, samples)
         self.result: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
         self._chunk: dict[int, Tensor] = {}
+        self._into: dict[str, Tensor] = {}  # an earlier sub-batch's input factors
+
+    def continues(self, earlier: Quantity) -> None:
+        """Add the input factors to an earlier sub-batch's, in place (no second copy).
+
+        Args:
+            earlier: The merged quantity of the earlier sub-batches.
+        """
+        self._into = dict(earlier.result[1])
 
     def check(self, recording: Recording) -> None:
         recording.check_kron(self.problem.names)
@@ -547,7 +566,8 @@ class KroneckerFactors(Quantity):
                 module.weight.shape[0], module.weight.shape[0]
             ).detach()
             if any(pname == "weight" for _, pname in call.params):
-                inputs[call.name] = call.rule.input_factor(call.ctx)
+                into = self._into.pop(call.name, None)
+                inputs[call.name] = call.rule.input_factor(call.ctx, into)
 
     def fixed_bytes(self, recording: Recording, element: int) -> int:
         # no rule caches (patches dropped after the input factors); the totals are
@@ -573,8 +593,10 @@ class KroneckerFactors(Quantity):
 
     def absorb(self, later: Quantity) -> None:
         for store, values in zip(self.result, later.result, strict=True):
-            for name, value in values.items():
-                store[name] = store[name] + value if name in store else value
+            for name, value in values.items():  # in place: the factors are this call's
+                if store.get(name) is value:  # an input factor added to in place
+                    continue
+                store[name] = store[name].add_(value) if name in store else value
 
     def _reduced(self) -> list[Tensor]:
         return list(self.result[0].values())  # every rank has the input factors already

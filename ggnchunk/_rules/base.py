@@ -330,14 +330,16 @@ class LayerRule(ABC):
         """
         raise NotImplementedError  # pragma: no cover - guarded by ``kron``
 
-    def input_factor(self, ctx: RuleContext) -> Tensor:
+    def input_factor(self, ctx: RuleContext, into: Tensor | None = None) -> Tensor:
         """``sum_n sum_p u_{np} u_{np}^T`` over the (unfolded) inputs, not normalized.
 
         Args:
             ctx: The call's context.
+            into: An earlier sub-batch's factor to add to, in place (``None``: a new one).
 
         Returns:
-            ``[K, K]`` with ``K`` the weight's fan-in (``weight[0].numel()``).
+            ``[K, K]`` with ``K`` the weight's fan-in (``weight[0].numel()``): ``into``
+            itself where given.
         """
         raise NotImplementedError  # pragma: no cover - guarded by ``kron``
 

@@ -405,9 +405,9 @@ class ConvRule(LayerRule):
     def output_factor(self, ctx, grads):
         return gram_of_sums(grads, 2)
 
-    def input_factor(self, ctx):
+    def input_factor(self, ctx, into=None):
         k = ctx.module.weight[0].numel()
-        result = ctx.x.new_zeros(k, k)
+        result = ctx.x.new_zeros(k, k) if into is None else into
         for i in range(ctx.x.shape[0]):  # one sample's patches [K, P] at a time
             patches = self._patches(ctx, i)[0, 0]  # groups == 1
             result.addmm_(patches, patches.T)

@@ -55,10 +55,10 @@ class LinearRule(LayerRule):
     def output_factor(self, ctx, grads):
         return gram_of_sums(grads, grads.dim() - 1)
 
-    def input_factor(self, ctx):
+    def input_factor(self, ctx, into=None):
         x = ctx.x
         flat = x.reshape(-1, x.shape[-1])
-        return flat.T @ flat
+        return flat.T @ flat if into is None else into.addmm_(flat.T, flat)
 
     def diag_onehot(self, ctx, mask):
         module, x = ctx.module, ctx.x

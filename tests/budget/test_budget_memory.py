@@ -254,3 +254,39 @@ def test_a_first_call_with_a_bilinear_resize_plans_as_a_second_call():
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = json.loads(done.stdout.strip().splitlines()[-1])
     assert first <= 1.25 * second + 1, (first, second)
+
+
+_KRON = """
+import json, torch, ggnchunk
+from torch import nn
+from benchmarks.peak import high_water_mark_mib, status_bytes
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(3072, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+x, y = torch.randn(4, 3072).double(), torch.randint(0, 3, (4,))
+out = []
+for kwargs in ({}, {"batch_chunk_size": 2}):
+    code = status_bytes("RssFile")
+    peak, _ = high_water_mark_mib(lambda: ggnchunk.kron_ggn(
+        model, nn.CrossEntropyLoss(), x, y, max_memory="100MiB", **kwargs))
+    out.append(peak - (status_bytes("RssFile") - code) / 2**20)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_kron_factors_stay_within_the_budget():
+    """A 72 MiB input factor within a 100 MiB budget, with and without sub-batches.
+
+    It was divided by the batch size out of place after the passes: a second copy above
+    the budget (144 MiB), without a warning.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _KRON],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for peak in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert peak <= 110, peak
