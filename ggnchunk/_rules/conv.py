@@ -415,7 +415,9 @@ class ConvRule(LayerRule):
 
     def backprop(self, ctx, grads):
         module, x = ctx.module, ctx.x
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        if module.padding_mode != "zeros":
+            return self._backprop_padded(ctx, grads)
+        if isinstance(module.padding, str):
             return None
         dims = x.dim() - 2
         v, n = grads.shape[:2]
@@ -477,6 +479,41 @@ class ConvRule(LayerRule):
         conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
         result = conv(folded, weight, None, stride, padding, extra, module.groups, dilation)
         return result.reshape(v, n, *x.shape[1:])
+
+    @staticmethod
+    def _backprop_padded(ctx: RuleContext, grads: Tensor) -> Tensor:
+        """Padded with values (``reflect``, ``replicate``, ``circular``): all columns.
+
+        The convolution's input gradient on the padded map, then the pad's backward,
+        each once on ``V * N`` samples; autograd's own backward of the layer ran per
+        column (torch's batching has no rule for either kernel).
+        """
+        module, x = ctx.module, ctx.x
+        dims = x.dim() - 2
+        v, n = grads.shape[:2]
+        pairs = explicit_padding(module, dims)
+        padded = [
+            s + left + right for s, (left, right) in zip(x.shape[2:], pairs, strict=True)
+        ]
+        folded = grads.reshape(v * n, *grads.shape[2:])
+        result = torch.ops.aten.convolution_backward(
+            folded, folded.new_empty(1).expand(v * n, x.shape[1], *padded),
+            module.weight.detach(), None, as_tuple(module.stride, dims), [0] * dims,
+            as_tuple(module.dilation, dims), False, [0] * dims, module.groups,
+            [True, False, False],
+        )[0]  # fmt: skip
+        pad = [p for pair in reversed(pairs) for p in pair]  # F.pad's order
+        shape = (v * n, *x.shape[1:])
+        if module.padding_mode in ("reflect", "replicate"):
+            kind = "reflection" if module.padding_mode == "reflect" else "replication"
+            kernel = getattr(torch.ops.aten, f"{kind}_pad{dims}d_backward")
+            back = kernel(result, result.new_empty(1).expand(shape), pad)
+        else:  # circular: autograd's backward of the pad, on all columns at once
+            with torch.enable_grad():
+                probe = result.new_zeros((), requires_grad=True).expand(shape)
+                out = F.pad(probe, pad, mode=module.padding_mode)
+                (back,) = torch.autograd.grad(out, probe, result)
+        return back.reshape(v, n, *x.shape[1:])
 
     windowed = True
 

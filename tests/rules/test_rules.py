@@ -393,3 +393,31 @@ def test_convolutions_backpropagated_as_one_product_on_small_maps(
     assert_diag_close(actual, expected, rtol=1e-9)
     if kwargs.get("num_chunks") == 10:  # one column per pass: the deep layers fold
         assert folds
+
+
+@pytest.mark.parametrize("kwargs", [{"num_chunks": 3}, {"max_memory": "64MiB"}])
+@pytest.mark.parametrize("padding", [1, "same", (2, 1)])
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_convolutions_padded_with_values_cross_all_columns_at_once(mode, padding, kwargs):
+    """A layer padded with values backpropagates on all columns, exactly.
+
+    Its input gradient was left to autograd, whose convolution and pad backward torch's
+    batching ran once per column (a ``SlowBackwardWarning``, about 4x slower).
+    """
+    import warnings
+
+    torch.manual_seed(0)
+    kernel = (3, 2) if padding == "same" else 3
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, kernel, padding=padding, padding_mode=mode), nn.Tanh(),
+        nn.Conv2d(3, 2, 3, padding=1, padding_mode=mode, stride=2),
+    ).double()  # fmt: skip
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    targets = torch.randn_like(model(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
+    slow = [str(w.message) for w in caught if "SlowBackward" in type(w.message).__name__]
+    assert not slow, slow
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9)
