@@ -336,14 +336,19 @@ class DiagGGNAccumulator:
         names = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         total = state["sum"]
         if total is not None:
-            if list(total) != list(names) or any(
-                total[n].shape != p.shape for n, p in names.items()
-            ):
+            if list(total) != list(names):
                 raise ValueError(
                     "state['sum'] does not match the model's trainable parameters "
                     f"(names {list(total)[:3]}... vs {list(names)[:3]}...); load a "
                     "checkpoint made with the same model."
                 )
+            for name, param in names.items():
+                if total[name].shape != param.shape:
+                    raise ValueError(
+                        f"state['sum'][{name!r}] has shape {tuple(total[name].shape)}, "
+                        f"but the model's parameter has {tuple(param.shape)}; load a "
+                        "checkpoint made with the same model."
+                    )
             total = {n: total[n].to(p) for n, p in names.items()}
         self._sum = total
         self.normalizer = float(state["normalizer"])

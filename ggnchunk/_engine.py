@@ -427,11 +427,20 @@ class GGNComputation:
             try:
                 loss = problem.loss_func(output, self._targets)
             except (RuntimeError, ValueError, IndexError, TypeError) as error:
+                hint = "Check the targets' shape and dtype for this loss."
+                batched = _batch_shaped(problem.loss_func, output)
+                if batched is not None:  # the whole batch's per-sample weight
+                    name, size = batched
+                    hint = (
+                        f"loss_func.{name} has a batch axis of {size} samples, but this "
+                        f"forward pass has {output.shape[0]}: a per-sample weight cannot "
+                        "follow batch_chunk_size's sub-batches. Drop batch_chunk_size, or "
+                        "weight the samples in a loss function of (output, target)."
+                    )
                 raise ValueError(
                     f"loss_func ({type(problem.loss_func).__name__}) fails on the model "
                     f"output of shape {tuple(output.shape)} and targets of shape "
-                    f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} Check "
-                    "the targets' shape and dtype for this loss."
+                    f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} {hint}"
                 ) from error
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -776,3 +785,21 @@ def _check_finite_output(output: Tensor) -> None:
             "GGN is not defined there; fix the forward pass (e.g. clamp before a log) "
             "or leave those samples out."
         )
+
+
+def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | None:
+    """A tensor of the loss shaped like a batch of outputs, but of another batch size.
+
+    Args:
+        loss_func: The loss module.
+        output: This forward pass's output ``[N, ...]``.
+
+    Returns:
+        ``(attribute name, its batch size)``, or ``None``.
+    """
+    tensors = dict(loss_func.named_buffers())
+    tensors.update((k, v) for k, v in vars(loss_func).items() if isinstance(v, Tensor))
+    for name, value in tensors.items():
+        if value.dim() == output.dim() and value.shape[0] not in (1, output.shape[0]):
+            return name, value.shape[0]
+    return None

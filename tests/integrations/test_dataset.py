@@ -251,3 +251,20 @@ def test_a_plain_function_loss_is_a_sum_over_batches():
     actual = ggnchunk.diag_ggn_dataset(model, loss, loader, num_chunks=2, progress=False)
     expected = reference_diag_ggn(model, Loss(), x, y)
     assert_diag_close(actual, expected, rtol=1e-10)
+
+
+def test_a_checkpoint_of_another_shape_names_the_parameter_and_shapes():
+    """Same names, other shapes: the message listed two equal name lists."""
+    from torch import nn
+
+    import ggnchunk
+
+    small = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    large = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3)).double()
+    saved = ggnchunk.DiagGGNAccumulator(small, nn.MSELoss())
+    saved.update(
+        torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    )
+    other = ggnchunk.DiagGGNAccumulator(large, nn.MSELoss())
+    with pytest.raises(ValueError, match=r"\['0.weight'\] has shape \(8, 5\).*\(9, 5\)"):
+        other.load_state_dict(saved.state_dict())

@@ -135,3 +135,15 @@ def test_budget_errors_show_small_sizes_readably(problem):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, max_memory=10)
     message = str(info.value)
     assert "max_memory is 10 B" in message and "0.0 MiB" not in message
+
+
+def test_a_per_sample_loss_weight_with_sub_batches_names_the_weight(problem):
+    """A loss weight with the batch's axis cannot follow sub-batches: say so.
+
+    The message said to check the targets, which were fine.
+    """
+    model, x, _ = problem
+    loss = nn.BCEWithLogitsLoss(weight=torch.rand(5, 2))
+    targets = torch.rand(5, 2)
+    with pytest.raises(ValueError, match=r"loss_func.weight has a batch axis of 5.*Drop"):
+        ggnchunk.diag_ggn(model, loss, x, targets, batch_chunk_size=2)
