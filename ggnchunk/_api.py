@@ -348,9 +348,9 @@ def _has_glue(problem: Problem) -> bool:
 def _needs_batched_autograd(run: GGNComputation) -> bool:
     """Whether the sweeps may backpropagate through autograd in batches (``torch.func``).
 
-    Glue between layers does, and so do the rules' fallbacks (convolutions with a
-    padding mode or string padding, folded layers the kernels do not cover); a rule-only
-    chain of layers does not. Conservative: when in doubt, true.
+    Glue between layers does, and so do the rules' fallbacks (convolutions with string
+    zero padding, folded layers the kernels do not cover); a rule-only chain of layers
+    does not. Conservative: when in doubt, true.
     """
     recording = getattr(run, "_recording", None)
     if recording is None:
@@ -367,10 +367,11 @@ def _needs_batched_autograd(run: GGNComputation) -> bool:
                 or node.name() not in _FOLDED
             ):  # fmt: skip
                 return True
-        if isinstance(rule, ConvRule) and (
-            module.padding_mode != "zeros" or isinstance(module.padding, str)
-        ):
-            return True
+        if (
+            isinstance(rule, ConvRule) and module.padding_mode == "zeros"
+            and isinstance(module.padding, str)
+        ):  # fmt: skip
+            return True  # (padded with values: the rule's own backward)
     return False
 
 
