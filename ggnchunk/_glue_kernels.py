@@ -6,11 +6,11 @@ the backward kernels of ``F.pad`` (every mode), max and average pooling (also ad
 norm, ``table[index]`` or a convolution: it runs them once per column (one kernel
 launch each). While the engine's forward pass runs,
 :func:`ggnchunk._folding.folded_glue` routes those calls outside layers with a rule
-through :class:`_FoldedGlue` (:class:`_FoldedNorm` for batch norm, :class:`_FoldedConv`
-for convolutions): its forward is the user's own call (same function, same arguments;
-nothing of the user's code runs again), and its backward runs on all columns at once
-(:func:`ggnchunk._autograd.on_columns`), with the columns folded into the kernels'
-batch axis:
+through :class:`_FoldedGlue` (:class:`_FoldedTensors` for calls of several tensors:
+batch norm, convolutions, weight norm): its forward is the user's own call (same
+function, same arguments; nothing of the user's code runs again), and its backward
+runs on all columns at once (:func:`ggnchunk._autograd.on_columns`), with the columns
+folded into the kernels' batch axis:
 
 - **linear calls** (pads, average pooling, pixel shuffles, ``flip``, ``roll``, and
   ``masked_fill`` and ``where`` in the tensor that needs grad): torch's own backward
@@ -25,11 +25,11 @@ batch axis:
 - **rows of a table** (``table[index]``, relative-position tables): the columns added
   back at their rows (``index_add``);
 - **convolutions** whose weight is computed in ``forward`` or fixed (weight
-  standardization, weight and spectral norm, a blur kernel; :class:`_FoldedConv`): the
+  standardization, weight and spectral norm, a blur kernel; :class:`_Conv`): the
   input's products as one ``convolution_backward`` on ``V * N`` samples, the weight's as
   one with ``V * Cout`` output channels (the samples summed, as autograd sums them);
 - **weight norm** (``torch._weight_norm``, weight-normed layers): its two products in
-  closed form on the columns (:class:`_FoldedWeightNorm`).
+  closed form on the columns (:class:`_WeightNorm`).
 
 On the CPU (``benchmarks/results/glue-kernels-*``) this is 1.4-2× faster than torch's
 loop per call for most of them. Layer, group and instance norms in the glue are left to
@@ -53,7 +53,13 @@ from torch import Tensor
 
 from ggnchunk._autograd import is_batched, on_columns
 
-__all__ = ["FOLDERS", "fold_glue_call", "glue_kernel_workspace", "scatter_to_argmax"]
+__all__ = [
+    "FOLDERS",
+    "fold_glue_call",
+    "glue_kernel_workspace",
+    "pad_transposed",
+    "scatter_to_argmax",
+]
 
 
 class _FoldedGlue(torch.autograd.Function):
@@ -81,50 +87,68 @@ class _FoldedGlue(torch.autograd.Function):
         return None, result
 
 
-class _FoldedNorm(torch.autograd.Function):
-    """Batch norm with running statistics in the glue: all columns at once, weight too."""
+class _FoldedTensors(torch.autograd.Function):
+    """A glue call of several tensors (batch norm, a convolution, weight norm).
+
+    All columns at once, at every tensor that needs grad; the spec says what to save.
+    """
 
     @staticmethod
-    def forward(ctx, spec: _BatchNormEval, x: Tensor, weight: Tensor | None,
-                bias: Tensor | None) -> Tensor:  # fmt: skip
-        out = spec.call(x, weight, bias)
+    def forward(ctx, spec: _Several, *tensors: Tensor | None) -> Tensor:
+        out = spec.call(*tensors)
         ctx.spec = spec
-        ctx.workspace = x.numel()  # the weight's products before their sums
-        ctx.save_for_backward(x, weight)
+        ctx.shapes = [None if t is None else tuple(t.shape) for t in tensors]
+        ctx.workspace = spec.workspace(tensors, out)
+        ctx.save_for_backward(*spec.kept(tensors))
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
-        results = on_columns([grad], lambda g: spec.transposed(x, weight, g, needs))
+        spec, saved, needs = ctx.spec, ctx.saved_tensors, ctx.needs_input_grad[1:]
+        results = on_columns([grad], lambda g: spec.transposed(saved, ctx.shapes, g, needs))
         return (None, *results)
 
 
-class _FoldedConv(torch.autograd.Function):
-    """A convolution in the glue: all columns at once, input, weight and bias."""
+class _Several:
+    """The folded form of a call of several tensors (see :class:`_FoldedTensors`)."""
 
-    @staticmethod
-    def forward(ctx, spec: _Conv, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out = spec.call(x, weight, bias)
-        ctx.spec = spec
-        # per column: its vectors in the weight product's order, and its weight product
-        ctx.workspace = out.numel() + (weight.numel() if weight.requires_grad else 0)
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.in_shape = tuple(x.shape)
-        return out
+    def __init__(self) -> None:
+        self.tensors: tuple[Tensor | None, ...] = ()  # the call's, until it ran
 
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
-        results = on_columns(
-            [grad], lambda g: spec.transposed(x, weight, ctx.in_shape, g, needs)
-        )
-        return (None, *results)
+    def call(self, *tensors: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+    def kept(self, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        """What the backward needs of the call's tensors (saved on the node)."""
+        return tensors
+
+    def workspace(self, tensors: tuple[Tensor | None, ...], out: Tensor) -> int:
+        """Elements per column (all samples) the backward takes beyond its vectors."""
+        return 0
+
+    def release(self) -> None:
+        """Drop the call's tensors (the node saves what its backward needs)."""
+        self.tensors = ()
+
+    def transposed(
+        self, saved: tuple[Tensor | None, ...], shapes: list, grads: Tensor,
+        needs: tuple[bool, ...],
+    ) -> tuple[Tensor | None, ...]:  # fmt: skip
+        """The columns' products at each tensor (``None`` where none is needed).
+
+        Args:
+            saved: What :meth:`kept` saved.
+            shapes: The call's tensors' shapes (``None`` for an absent one).
+            grads: The columns at the output, ``[V, *out.shape]``.
+            needs: Which tensors need them.
+
+        Returns:
+            One ``[V, *shape]`` tensor (or ``None``) per tensor of the call.
+        """
+        raise NotImplementedError
 
 
-class _Conv:
+class _Conv(_Several):
     r"""``F.conv1d/2d/3d`` whose weight is computed in ``forward`` or fixed.
 
     Weight standardization (timm's ``StdConv2d``, NFNets), weight and spectral norm
@@ -136,35 +160,28 @@ class _Conv:
     """
 
     def __init__(self, args: dict[str, Any], dims: int):
+        super().__init__()
         self.args, self.dims = args, dims
-        self.input: Tensor
-        self.weight: Tensor
-        self.bias: Tensor | None = None
 
     def call(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
         return conv(x, weight, bias, **self.args)
 
-    def release(self) -> None:
-        """Drop the call's tensors (the node saves what its backward needs)."""
-        self.input = self.weight = self.bias = None
+    def kept(self, tensors):
+        x, weight, _ = tensors  # the input for the weight's products only
+        return (x if weight.requires_grad else None, weight)
 
-    def transposed(
-        self, x: Tensor | None, weight: Tensor, in_shape: tuple[int, ...], grads: Tensor,
-        needs: tuple[bool, ...],
-    ) -> tuple[Tensor | None, ...]:  # fmt: skip
-        """The columns' products at the input, the weight and the bias.
+    def workspace(self, tensors, out):
+        # per column: its vectors in the weight product's order, its weight product
+        weight = tensors[1]
+        return out.numel() + (weight.numel() if weight.requires_grad else 0)
 
-        Args:
-            x: The recorded input ``[N, Cin, *S]`` (``None`` if the weight needs none).
-            weight: The recorded weight ``[Cout, Cin / G, *K]``.
-            in_shape: The input's shape.
-            grads: The columns at the output, ``[V, N, Cout, *S']``.
-            needs: Which of input, weight and bias need them.
+    def transposed(self, saved, shapes, grads, needs):
+        """Input ``[N, Cin, *S]``, weight ``[Cout, Cin / G, *K]`` and bias products.
 
-        Returns:
-            ``[V, N, Cin, *S]``, ``[V, *weight.shape]``, ``[V, Cout]`` (or ``None``).
+        Columns at the output ``[V, N, Cout, *S']``; see :meth:`_Several.transposed`.
         """
+        (x, weight), in_shape = saved, shapes[0]
         v, n, c = grads.shape[:3]
         out = grads.shape[3:]
         args, g = self.args, self.args["groups"]
@@ -194,26 +211,7 @@ class _Conv:
         return dx, dw, db
 
 
-class _FoldedWeightNorm(torch.autograd.Function):
-    """``torch._weight_norm(v, g, dim)`` (weight-normed layers): all columns at once."""
-
-    @staticmethod
-    def forward(ctx, spec: _WeightNorm, v: Tensor, g: Tensor) -> Tensor:
-        out = torch._weight_norm(v, g, spec.dim)
-        ctx.spec = spec
-        ctx.workspace = 2 * v.numel()  # the products with the direction, per column
-        ctx.save_for_backward(v, g)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        v, g = ctx.saved_tensors
-        spec, needs = ctx.spec, ctx.needs_input_grad[1:3]
-        results = on_columns([grad], lambda gw: spec.transposed(v, g, gw, needs))
-        return (None, *results)
-
-
-class _WeightNorm:
+class _WeightNorm(_Several):
     r"""``w = g \, v / \lVert v \rVert`` (the norm over every axis but ``dim``).
 
     With :math:`u = v / \lVert v \rVert`: :math:`\partial g = \sum \partial w \odot u`
@@ -222,29 +220,22 @@ class _WeightNorm:
     """
 
     def __init__(self, dim: int):
+        super().__init__()
         self.dim = dim
-        self.input: Tensor
-        self.g: Tensor
 
-    def release(self) -> None:
-        """Drop the call's tensors (the node saves what its backward needs)."""
-        self.input = self.g = None
+    def call(self, v: Tensor, g: Tensor) -> Tensor:
+        return torch._weight_norm(v, g, self.dim)
 
-    def transposed(
-        self, v: Tensor, g: Tensor, grads: Tensor, needs: tuple[bool, ...]
-    ) -> tuple[Tensor | None, ...]:
-        """The columns' products at ``v`` and ``g``.
+    def workspace(self, tensors, out):
+        return 2 * tensors[0].numel()  # the products with the direction, per column
 
-        Args:
-            v: The direction, the weight's shape.
-            g: The magnitude (ones on the normed axes, or a scalar for ``dim=-1``).
-            grads: The columns at the weight, ``[V, *v.shape]``.
-            needs: Which of ``v`` and ``g`` need them.
+    def transposed(self, saved, shapes, grads, needs):
+        """The direction ``v`` (the weight's shape) and magnitude ``g``'s products.
 
-        Returns:
-            ``[V, *v.shape]`` and ``[V, *g.shape]`` (or ``None``).
+        ``g`` has ones on the normed axes, or is a scalar for ``dim=-1``; columns at
+        the weight ``[V, *v.shape]``; see :meth:`_Several.transposed`.
         """
-        v, g = v.detach(), g.detach()
+        v, g = (t.detach() for t in saved)
         axes = tuple(range(v.dim())) if self.dim == -1 else tuple(
             a for a in range(v.dim()) if a != self.dim % v.dim()
         )  # fmt: skip
@@ -259,7 +250,7 @@ class _WeightNorm:
         return dv, dg
 
 
-class _BatchNormEval:
+class _BatchNormEval(_Several):
     r"""Batch normalization with running statistics: an affine map per channel.
 
     :math:`y = (x - \mu) r w + b` with the recorded running mean :math:`\mu` and
@@ -269,32 +260,24 @@ class _BatchNormEval:
     """
 
     def __init__(self, args: dict[str, Any], mean: Tensor, var: Tensor, eps: float):
+        super().__init__()
         self.args, self.mean, self.var, self.eps = args, mean, var, eps
-        self.input: Tensor
-        self.weight: Tensor | None = None
-        self.bias: Tensor | None = None
 
     def call(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         return F.batch_norm(x, self.mean, self.var, weight=weight, bias=bias, **self.args)
 
-    def release(self) -> None:
-        """Drop the call's tensors (the node saves the input and weight it needs)."""
-        self.input = self.weight = self.bias = None
+    def kept(self, tensors):
+        return tensors[:2]  # the input and the weight
 
-    def transposed(
-        self, x: Tensor, weight: Tensor | None, grads: Tensor, needs: tuple[bool, ...]
-    ) -> tuple[Tensor | None, ...]:
-        """The columns' products at the input, the weight and the bias.
+    def workspace(self, tensors, out):
+        return tensors[0].numel()  # the weight's products before their sums
 
-        Args:
-            x: The recorded input ``[N, C, *S]``.
-            weight: The recorded weight ``[C]``, or ``None``.
-            grads: The columns at the output, ``[V, *x.shape]``.
-            needs: Which of input, weight and bias need them.
+    def transposed(self, saved, shapes, grads, needs):
+        """Input ``[N, C, *S]``, weight ``[C]`` (or ``None``) and bias products.
 
-        Returns:
-            ``[V, *x.shape]``, ``[V, C]``, ``[V, C]`` (or ``None``).
+        Columns at the output ``[V, *x.shape]``; see :meth:`_Several.transposed`.
         """
+        x, weight = saved
         channel = [1] * x.dim()
         channel[1] = x.shape[1]
         rstd = (self.var.detach() + self.eps).rsqrt().reshape(channel)
@@ -580,6 +563,33 @@ def _pad_backward(mode: str, pad: list[int]) -> Direct | None:
     return lambda g, shape: kernel(g, _shaped(g, shape), pad)
 
 
+def pad_transposed(
+    grads: Tensor, shape: tuple[int, ...], pad: list[int], mode: str
+) -> Tensor:
+    """``F.pad``'s backward: ``grads`` on the padded maps back onto maps of ``shape``.
+
+    One call on all the maps at once (the columns folded into the batch axis): torch's
+    own backward kernel (reflection, replication, constant), or autograd's backward of
+    the pad taken on zeros (circular).
+
+    Args:
+        grads: ``[B, C, *padded]``.
+        shape: ``(B, C, *S)``.
+        pad: ``F.pad``'s pads (last axis first).
+        mode: ``F.pad``'s mode.
+
+    Returns:
+        ``[B, C, *S]``.
+    """
+    direct = _pad_backward(mode, pad)
+    if direct is not None:
+        return direct(grads, shape)
+    with torch.enable_grad():
+        probe = grads.new_zeros((), requires_grad=True).expand(shape)
+        (back,) = torch.autograd.grad(F.pad(probe, pad, mode=mode), probe, grads)
+    return back
+
+
 def _pool_call(
     names: tuple[str, ...], dims: int, args: tuple, kwargs: dict
 ) -> tuple[dict[str, Any], Tensor] | None:
@@ -856,7 +866,7 @@ def _batch_norm(args: tuple, kwargs: dict) -> _BatchNormEval | None:
     eps = float(bound.get("eps", 1e-5))
     options = {"training": False, "momentum": bound.get("momentum", 0.1), "eps": eps}
     spec = _BatchNormEval(options, mean, var, eps)
-    spec.input, spec.weight, spec.bias = x, w, b
+    spec.tensors = (x, w, b)
     return spec
 
 
@@ -883,7 +893,7 @@ def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
         args = {"stride": list(stride), "padding": list(padding),
                 "dilation": list(dilation), "groups": groups}  # fmt: skip
         spec = _Conv(args, dims)
-        spec.input, spec.weight, spec.bias = x, w, b
+        spec.tensors = (x, w, b)
         return spec
 
     return fold
@@ -906,7 +916,7 @@ def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
     elif g.numel() != v.shape[dim] or g.dim() not in (1, v.dim()):
         return None
     spec = _WeightNorm(dim)
-    spec.input, spec.g = v, g
+    spec.tensors = (v, g)
     return spec
 
 
@@ -1017,12 +1027,8 @@ def fold_glue_call(func: Any, args: tuple, kwargs: dict) -> Any:
     if spec is None:
         return None
     try:
-        if isinstance(spec, _BatchNormEval):
-            return _FoldedNorm.apply(spec, spec.input, spec.weight, spec.bias)
-        if isinstance(spec, _Conv):
-            return _FoldedConv.apply(spec, spec.input, spec.weight, spec.bias)
-        if isinstance(spec, _WeightNorm):
-            return _FoldedWeightNorm.apply(spec, spec.input, spec.g)
+        if isinstance(spec, _Several):
+            return _FoldedTensors.apply(spec, *spec.tensors)
         return _FoldedGlue.apply(spec, spec.input)
     finally:  # the graph keeps what the backward needs, not the call's inputs
         spec.release()
@@ -1037,8 +1043,6 @@ def glue_kernel_workspace(node: Any) -> int:
     Returns:
         The workspace (all samples together), or 0 for other nodes.
     """
-    folded = (_FoldedGlue._backward_cls, _FoldedNorm._backward_cls,
-              _FoldedConv._backward_cls, _FoldedWeightNorm._backward_cls)  # fmt: skip
-    if isinstance(node, folded):
+    if isinstance(node, (_FoldedGlue._backward_cls, _FoldedTensors._backward_cls)):
         return int(getattr(node, "workspace", 0))
     return 0

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ggnchunk._glue_kernels import pad_transposed
 from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
 from ggnchunk._rules.geometry import (
     as_tuple,
@@ -503,16 +504,7 @@ class ConvRule(LayerRule):
             [True, False, False],
         )[0]  # fmt: skip
         pad = [p for pair in reversed(pairs) for p in pair]  # F.pad's order
-        shape = (v * n, *x.shape[1:])
-        if module.padding_mode in ("reflect", "replicate"):
-            kind = "reflection" if module.padding_mode == "reflect" else "replication"
-            kernel = getattr(torch.ops.aten, f"{kind}_pad{dims}d_backward")
-            back = kernel(result, result.new_empty(1).expand(shape), pad)
-        else:  # circular: autograd's backward of the pad, on all columns at once
-            with torch.enable_grad():
-                probe = result.new_zeros((), requires_grad=True).expand(shape)
-                out = F.pad(probe, pad, mode=module.padding_mode)
-                (back,) = torch.autograd.grad(out, probe, result)
+        back = pad_transposed(result, (v * n, *x.shape[1:]), pad, module.padding_mode)
         return back.reshape(v, n, *x.shape[1:])
 
     windowed = True
