@@ -460,7 +460,9 @@ class TimeAttentionUNet(nn.Module):
 
     def _embed(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         half = self.tdim // 2
-        freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=dtype) / half)
+        freqs = torch.exp(
+            -math.log(1000.0) * torch.arange(half, dtype=dtype, device=t.device) / half
+        )
         args = t.to(dtype)[:, None] * freqs[None]
         return self.time(torch.cat([torch.sin(args), torch.cos(args)], dim=-1))
 

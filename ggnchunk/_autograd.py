@@ -62,6 +62,11 @@ _FALLBACK = (
     r"There is a performance drop because we have not yet implemented the batching rule"
 )
 _FALLBACK_OPERATION = re.compile(_FALLBACK + r" for (\S+?)\.(\s|$)")
+# kernels torch's batching can neither batch nor loop over (cuDNN's RNN backward, whose
+# weight gradients are a list): the columns then go backward one at a time
+_NO_FALLBACK = re.compile(
+    r"Batching rule not implemented for (\S+?)\. We could not generate a fallback"
+)
 _HARMLESS = (
     # vmap falls back to a loop for a few backward formulas; still exact.
     _FALLBACK,
@@ -290,6 +295,43 @@ def batched_grad(
         One ``[V, *input_shape]`` tensor per input (``None`` where unreachable).
     """
     note = note or getattr(_NOTING, "note", None)
+    try:
+        return _batched_noting(outputs, inputs, grad_outputs, note)
+    except RuntimeError as error:
+        match = _NO_FALLBACK.search(str(error))
+        if match is None:
+            raise
+    # torch cannot batch a kernel on the way (nor loop over it): one column at a time,
+    # exact, and said like vmap's own per-column loops
+    if note is not None:
+        note(match.group(1))
+    return _one_by_one(outputs, inputs, grad_outputs)
+
+
+def _one_by_one(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """:func:`batched_grad` as a loop over the vectors (plain backward passes)."""
+    count = int(grad_outputs[0].shape[0]) if grad_outputs else 0
+    columns = [
+        plain_grad(outputs, inputs, [g[v] for g in grad_outputs]) for v in range(count)
+    ]
+    # reachability is the graph's, the same for every vector
+    return tuple(
+        None if not columns or columns[0][i] is None
+        else torch.stack([column[i] for column in columns])
+        for i in range(len(inputs))
+    )  # fmt: skip
+
+
+def _batched_noting(
+    outputs: Sequence[Target],
+    inputs: Sequence[Target],
+    grad_outputs: Sequence[Tensor],
+    note: Callable[[str], None] | None,
+) -> tuple[Tensor | None, ...]:
     if note is None:
         with quiet_autograd():
             return _batched(outputs, inputs, grad_outputs)

@@ -263,7 +263,9 @@ class TimeUNet(nn.Module):
 
     def embed(self, t: Tensor, dtype: torch.dtype) -> Tensor:
         half = self.tdim // 2
-        freqs = torch.exp(-math.log(100.0) * torch.arange(half, dtype=dtype) / half)
+        freqs = torch.exp(
+            -math.log(100.0) * torch.arange(half, dtype=dtype, device=t.device) / half
+        )
         args = t.to(dtype)[:, None] * freqs[None]
         return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
 

@@ -236,6 +236,9 @@ def _run_adaptive(
             size = min(size, cached.overshot)
             planner.ceiling = min(planner.ceiling, size)
             decision.overshot = cached.overshot
+        elif cached is not None and planner.backend.sees_reuse and cached.chunk_size:
+            # the GPU grows from measurements: start where the last call's grew to
+            size = max(size, cached.chunk_size)
         elif (
             cached is None and mode is Mode.BUDGET and not planner.backend.sees_reuse
             and size >= 4 and (
@@ -265,7 +268,8 @@ def _run_adaptive(
             report.from_cache = True
             size, grow, decision.tuned = min(size, cached.chunk_size), False, True
         else:
-            start, size, tuned = tune(planner, start, size, decision, cost is not None)
+            bounded = cost is not None and not planner.backend.sees_reuse
+            start, size, tuned = tune(planner, start, size, decision, bounded)
             decision.tuned = tuned
             grow = grow and not tuned
     while start < total:
@@ -307,4 +311,10 @@ def _start_from_bound(
         size = planner.next_size(records, 1, False)
     if not planner.backend.sees_reuse:
         planner.ceiling = size
+    elif records:
+        # the GPU: libraries size their workspaces from the device's free memory, which
+        # no bound sees (cuDNN takes the largest workspace of its candidate plans: on an
+        # H200, 6-11 GiB for a 28x28 autoencoder whose bound said 2 GiB); sizes grow from
+        # the measured index, twice at most at a time (BudgetPlanner.next_size)
+        size = min(size, 2 * (records[-1].stop - records[-1].start))
     return decision, start, size, True

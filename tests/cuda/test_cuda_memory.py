@@ -110,7 +110,8 @@ def budgeted_call(name: str, scale: int, budget: int, warm: bool) -> dict:
     )  # fmt: skip
     schedule = report.schedules[0]
     return {
-        "peak": record["peak"], "passes": report.num_passes, "error": error,
+        "peak": record["peak"], "setup": report.setup_bytes,
+        "passes": report.num_passes, "error": error,
         "sizes": [c.stop - c.start for c in schedule.chunks],
         "chunk_peaks": [c.peak_extra_bytes for c in schedule.chunks],
         "warnings": [str(w.message) for w in caught],
@@ -147,7 +148,9 @@ def test_the_allocator_peak_stays_within_the_budget(name, scale, share, call):
         assert name in FEW_COLUMNS, record["refused"]  # one column did not fit: refused
         return
     label = f"{name} {call}: budget {budget / MiB:.1f} MiB, {record}"
-    assert record["peak"] <= budget, label
+    # the one-time set-up is paid before the call's baseline (cuBLAS's workspaces: 32 MiB
+    # per handle on a Hopper GPU), and the report says how much it kept
+    assert record["peak"] - record["setup"] <= budget, label
     assert record["passes"] > 1 or name in FEW_COLUMNS, label
     assert record["error"] < 1e-5, label
     assert not any("above the" in w for w in record["warnings"]), label
@@ -155,11 +158,11 @@ def test_the_allocator_peak_stays_within_the_budget(name, scale, share, call):
 
 @pytest.mark.parametrize("name", ["tutorial_conv_ae", "conv_ae_28"])
 def test_chunks_grow_from_measurements_but_never_past_the_budget(name):
-    """The engine's bound is conservative (1.5x the worst layer): measured peaks grow it."""
+    """Sizes grow from measured peaks (no bound sees cuDNN's workspaces), within budget."""
     budget = int(0.2 * one_pass_peak(name, 4))
     record = budgeted_call(name, 4, budget, warm=True)
     sizes, peaks = record["sizes"], record["chunk_peaks"]
-    planned = sizes[1]  # the first index runs alone; the plan from the bound follows
+    planned = sizes[1]  # the first index runs alone; measured growth follows
     assert max(sizes) > planned, f"no growth: {record}"
     assert all(p <= budget for p in peaks), record
     assert record["peak"] <= budget, record

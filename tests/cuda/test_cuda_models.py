@@ -235,6 +235,7 @@ WINDOWED = [
 ]  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # the model's
 @pytest.mark.parametrize("patches", [True, False], ids=["patches", "grouped"])
 @pytest.mark.parametrize("name", WINDOWED)
 def test_windowed_columns_on_cuda(name, patches, monkeypatch):

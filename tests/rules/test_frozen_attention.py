@@ -376,6 +376,58 @@ def test_slow_operation_is_named_once_per_call():
     assert not torch._C._debug_only_are_vmap_fallback_warnings_enabled()
 
 
+class _Unbatchable(torch.autograd.Function):
+    """``sin`` whose backward fails under torch's batching, as cuDNN's RNN backward does.
+
+    (``aten::_cudnn_rnn_backward`` returns its weight gradients as a list: torch's
+    batching has neither a rule nor a fallback loop for it.)
+    """
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ggnchunk._autograd import _legacy_batched
+
+        if _legacy_batched(grad):  # autograd's batching (torch.func's vmap has a loop)
+            raise RuntimeError(
+                "Batching rule not implemented for aten::_fake_rnn_backward. We could "
+                "not generate a fallback."
+            )
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+class Unbatchable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(_Unbatchable.apply(self.lin(x)))
+
+
+@pytest.mark.parametrize("chunking", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
+def test_a_kernel_torch_cannot_batch_goes_column_by_column(chunking):
+    """Torch's "could not generate a fallback" (cuDNN's LSTM on the GPU): exact, named."""
+    torch.manual_seed(0)
+    model = Unbatchable().double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **chunking)
+    assert_diag_close(got, expected, rtol=1e-9)
+    slow = [str(w.message) for w in caught if w.category is ggnchunk.SlowBackwardWarning]
+    assert len(slow) == 1 and "aten::_fake_rnn_backward" in slow[0], slow
+
+
 class Prompted(nn.Module):
     """A tensor that requires grad but is no parameter, added before frozen layers."""
 
