@@ -17,6 +17,7 @@ from ggnchunk._autograd import (
     EdgeKey,
     Gather,
     GradientEdge,
+    Node,
     accumulated_variable,
     edge_key,
     edge_of,
@@ -77,6 +78,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._geometric: bool | None = None  # whether boxes follow the geometry alone
         self.windowed_sweeps = 0
         self.images = FieldCache()  # the windowed fields' images, reused by every sweep
+        # every node of the recorded graph, by id: see _pin_graph
+        self._pins: dict[int, Node] = {}
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -197,6 +200,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                     "`x += ...` on the same tensor). ggnchunk needs the value the layer "
                     "saw: use an out-of-place operation there."
                 )
+        self._pin_graph(output)
         self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
         uses: dict[int, int] = {}
         for call in self.calls:
@@ -256,6 +260,29 @@ class Recording(Sweeps, MemoryBound, Checks):
             key: source for key, source in self._sources.items()
             if key == self.output_key or behind.get(key, False)
         }  # fmt: skip
+
+    def _pin_graph(self, output: Tensor) -> None:
+        """Keep the Python object of every node behind ``output`` alive with the recording.
+
+        The sweeps and glue plans know nodes by ``id``. Before torch 2.14 a C++ node's
+        Python object lives only while something refers to it (``next_functions`` makes
+        a new one on each access after the last was dropped), so the id of a dropped
+        one is reused by the next object made: a walk then took an unseen node for a
+        seen one and missed whole glue regions (diagonals of 0, relative error 1.0,
+        measured on torch 2.11). While one object of a node lives, every access returns
+        it, so ids are stable and unique for as long as the recording holds them.
+        """
+        pins = self._pins
+        stack = [output.grad_fn] + [
+            edge.node for call in self.calls for edge in (call.out_edge, call.source)
+            if edge is not None
+        ]  # fmt: skip
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in pins:
+                continue
+            pins[id(node)] = node
+            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def _add_source(self, key: EdgeKey, target: Any, numel: int, consumer: int) -> None:
         source = self._sources.get(key)

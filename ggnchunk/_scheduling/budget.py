@@ -88,6 +88,7 @@ class Decision:
     chunk_size: int | None = None  # where the last call ended
     tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
     overshot: int | None = None  # the size a chunk above the target was cut to
+    fitted: int | None = None  # the largest chunk that ran within the target
 
 
 class BudgetPlanner:

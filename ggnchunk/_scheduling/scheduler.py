@@ -236,9 +236,11 @@ def _run_adaptive(
             size = min(size, cached.overshot)
             planner.ceiling = min(planner.ceiling, size)
             decision.overshot = cached.overshot
-        elif cached is not None and planner.backend.sees_reuse and cached.chunk_size:
-            # the GPU grows from measurements: start where the last call's grew to
-            size = max(size, cached.chunk_size)
+        elif cached is not None and planner.backend.sees_reuse and cached.fitted:
+            # the GPU grows from measurements: start from the largest chunk the last
+            # call measured within the target (not the size it would have tried next:
+            # cuDNN's workspaces jump, 83 MiB at 273 columns and 6.5 GiB at 512 measured)
+            size = max(size, cached.fitted)
         elif (
             cached is None and mode is Mode.BUDGET and not planner.backend.sees_reuse
             and size >= 4 and (
@@ -278,6 +280,15 @@ def _run_adaptive(
         start = stop
         size = planner.next_size(records, size, grow)
     decision.chunk_size = size
+    decision.fitted = max(
+        [decision.fitted or 0]
+        + [
+            c.stop - c.start for c in report.chunks
+            if c.peak_extra_bytes is not None and c.peak_extra_bytes <= planner.target
+        ]
+    ) or None  # fmt: skip
+    if planner.overshot is not None and decision.fitted is not None:
+        decision.fitted = min(decision.fitted, planner.overshot)
     if planner.overshot is not None:
         decision.overshot = min(decision.overshot or planner.overshot, planner.overshot)
     decision.per_index = max(1.0, (planner.target - decision.fixed) / max(size, 1))
@@ -317,4 +328,8 @@ def _start_from_bound(
         # H200, 6-11 GiB for a 28x28 autoencoder whose bound said 2 GiB); sizes grow from
         # the measured index, twice at most at a time (BudgetPlanner.next_size)
         size = min(size, 2 * (records[-1].stop - records[-1].start))
+        # growth per index is measured from the first index's peak, so a large transient
+        # cost of every pass (a cuDNN workspace of GiBs at 2 columns as at 1, measured on
+        # an H200) does not pass for a cost per index and stall the growth
+        planner.one = records[-1].peak_extra_bytes
     return decision, start, size, True

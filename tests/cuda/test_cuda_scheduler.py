@@ -104,6 +104,61 @@ def test_cuda_shrinks_after_a_jump_no_measurement_foresaw():
     assert report.chunks[-1].peak_extra_bytes <= budget
 
 
+class TransientWorkspace(SimulatedAllocator):
+    """Every pass also holds a workspace of ``workspace`` bytes, whatever its size."""
+
+    def __init__(self, workspace: int):
+        super().__init__(per_index=MiB // 4)
+        self.workspace = workspace
+
+    def measure(self, fn):
+        result, peak, seconds = super().measure(fn)
+        return result, peak + self.workspace, seconds
+
+
+def test_cuda_grows_past_a_large_workspace_of_every_pass():
+    """A pass's own workspace (the same at 1 and 2 columns) is no cost per column.
+
+    On an H200, cuDNN gave the tutorial autoencoder's 2-column passes GiBs of workspace:
+    read as a cost per column, it held budget mode at 2 columns for 1,537 passes.
+    """
+    budget = 200 * MiB
+    sim = TransientWorkspace(int(0.7 * budget))
+    scheduler = ChunkScheduler(max_memory=budget, device="cuda", tracker=sim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        total, report = scheduler.run(
+            3000, sim.run, baseline=0, cost=(sim.fixed, sim.per_index)
+        )
+    assert total.item() == sum(range(3000))
+    room = CudaMemory.planning_share * budget - sim.workspace - sim.fixed
+    fits = int(room // sim.per_index)
+    assert fits >= report.chunk_size >= 0.9 * fits, [
+        c.stop - c.start for c in report.chunks
+    ]
+    assert all(c.peak_extra_bytes <= budget for c in report.chunks)
+
+
+def test_cuda_second_call_starts_from_a_measured_size_only():
+    """The next call starts at the largest chunk measured within the target.
+
+    Not at the size the last call would have tried next: that size was never measured,
+    and cuDNN's workspaces jump (83 MiB at 273 columns, 6.5 GiB at 512, on an H200).
+    """
+    sim = JumpingWorkspace(at=400, factor=20)
+    budget = 2000 * MiB
+    scheduler = ChunkScheduler(max_memory=budget, device="cuda", tracker=sim, cache_key="k")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        _, first = scheduler.run(600, sim.run, baseline=0, cost=(sim.fixed, sim.per_index))
+        total, again = scheduler.run(
+            600, sim.run, baseline=0, cost=(sim.fixed, sim.per_index)
+        )
+    assert total.item() == sum(range(600))
+    assert max(c.stop - c.start for c in first.chunks) == 256
+    assert [c.stop - c.start for c in again.chunks][:2] == [1, 256]
+
+
 def test_cuda_out_of_memory_recovery_names_the_working_chunk_size():
     sim = SimulatedAllocator(limit=40 * MiB)  # more than 32 indices fail
     with pytest.warns(OutOfMemoryRecoveryWarning) as record:
