@@ -261,3 +261,39 @@ def test_windowed_columns_on_cuda(name, patches, monkeypatch):
     assert report.windowed
     actual = {k: v.cpu() for k, v in diag.items()}
     assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} on CUDA")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tiny-gpt", "relative-position-bias", "encoder-batch-first-frozen-attention",
+     "frozen-norms-conv"],
+)  # fmt: skip
+def test_folded_glue_and_attention_take_all_columns_at_once_on_cuda(case, monkeypatch):
+    """No per-column loop on the GPU either, and exact against the CPU brute force.
+
+    Autograd runs a CUDA graph's backward on a device thread, not the calling one: what
+    the engine's batched backward tells the folded nodes must reach that thread (the
+    CPU suite, whose backward runs in the calling thread, cannot see it).
+    """
+    import warnings
+
+    from tests.rules import test_frozen_attention as table
+
+    unwrapped = []  # the folded nodes' all-columns path (ggnchunk._autograd.on_columns)
+    remove = torch._remove_batch_dim
+    monkeypatch.setattr(
+        torch, "_remove_batch_dim", lambda *a: unwrapped.append(1) or remove(*a)
+    )
+    cpu = table._make(case)
+    model = copy.deepcopy(cpu.model).to(CUDA)
+    loss_func = copy.deepcopy(cpu.loss_func).to(CUDA)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = ggnchunk.diag_ggn(
+            model, loss_func, to(cpu.inputs, CUDA), cpu.targets.to(CUDA), num_chunks=2
+        )
+    slow = [str(w.message) for w in caught if w.category is ggnchunk.SlowBackwardWarning]
+    assert slow == [], slow
+    assert unwrapped, "the folded nodes ran column by column (the device thread?)"
+    actual = {k: v.cpu() for k, v in actual.items()}
+    assert_diag_close(actual, table._expected(case), rtol=1e-9, label=f"{case} on CUDA")
