@@ -359,14 +359,29 @@ def _batched(
     grad_outputs: Sequence[Tensor],
 ) -> tuple[Tensor | None, ...]:
     previous = getattr(_COLUMNS, "count", None)
-    _COLUMNS.count = int(grad_outputs[0].shape[0]) if grad_outputs else None
+    count = int(grad_outputs[0].shape[0]) if grad_outputs else None
+    _COLUMNS.count = count
+    # autograd runs a CUDA graph's backward on a device thread, which sees no
+    # thread-local of this one: the count is also kept under the batching's level
+    level = _vmap_level() + 1 if _UNWRAPPABLE and count is not None else None
+    if level is not None:
+        with _LOCK:
+            _BY_LEVEL.setdefault(level, []).append(count)
     try:
         return _grad(outputs, inputs, grad_outputs, batched=True)
     finally:
         _COLUMNS.count = previous
+        if level is not None:
+            with _LOCK:
+                _BY_LEVEL[level].remove(count)
+                if not _BY_LEVEL[level]:
+                    del _BY_LEVEL[level]
 
 
 _COLUMNS = threading.local()  # how many vectors this thread's batched backward carries
+# the counts of the batched backward passes open in any thread, by batching level
+_BY_LEVEL: dict[int, list[int]] = {}
+_LOCK = threading.Lock()
 # torch's legacy batching (what is_grads_batched runs) and the calls that unwrap it
 _UNWRAPPABLE = all(
     hasattr(owner, name)
@@ -424,6 +439,12 @@ def on_columns(
     and uses plain kernels (the columns folded into the batch axis). Outside a batched
     backward of :func:`batched_grad` (one gradient) it runs on a leading axis of one.
 
+    The column count comes from :func:`batched_grad`: this thread's own, or, where
+    autograd runs the backward on another thread (a CUDA graph's, on the device's
+    thread), the count open at the batching's level, used only where exactly one is
+    open there and the columns come out of the batching as plain tensors (else the
+    leading axis of one: slower, never wrong).
+
     Args:
         grads: The node's output gradients (one column's view of them).
         backward: Maps ``[V, *output_shape]`` tensors to ``[V, *input_shape]`` ones
@@ -433,10 +454,20 @@ def on_columns(
         The node's input gradients, as autograd expects them.
     """
     count = getattr(_COLUMNS, "count", None)
+    here = count is not None  # this thread's own batched backward (the CPU's)
+    if not here and grads and all(_legacy_batched(g) for g in grads):
+        # another thread's (a CUDA device thread runs the backward of the caller's
+        # call): its count by the level, where exactly one count is open there
+        with _LOCK:
+            counts = set(_BY_LEVEL.get(_vmap_level(), ()))
+        count = counts.pop() if len(counts) == 1 else None
     if count is not None and all(_legacy_batched(g) for g in grads):
         level = _vmap_level()
         columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
-        if all(c.shape == (count, *g.shape) for c, g in zip(columns, grads, strict=True)):
+        if all(
+            c.shape == (count, *g.shape) and (here or not _legacy_batched(c))
+            for c, g in zip(columns, grads, strict=True)
+        ):  # (from another thread: the columns came out plain, so the level was ours)
             results = backward(*columns)
             return tuple(
                 None if r is None else torch._add_batch_dim(r, 0, level) for r in results

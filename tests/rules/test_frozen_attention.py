@@ -325,6 +325,60 @@ def test_no_per_column_loop(case):
     assert _slow_warnings(_make(case), num_chunks=2) == []
 
 
+class _OtherThread:
+    """A thread-local as another thread sees it: the caller's count never arrives."""
+
+    count = property(lambda self: None, lambda self, value: None)
+
+
+def folded_paths(monkeypatch) -> list[bool]:
+    """Record, per folded glue node's backward, whether it got all columns at once."""
+    from ggnchunk import _autograd, _glue_kernels
+
+    seen: list[bool] = []
+    original = _glue_kernels.on_columns
+
+    def spy(grads, backward):
+        def recorded(*columns):
+            seen.append(not any(_autograd._legacy_batched(c) for c in columns))
+            return backward(*columns)
+
+        return original(grads, recorded)
+
+    monkeypatch.setattr(_glue_kernels, "on_columns", spy)
+    return seen
+
+
+@pytest.mark.parametrize("ambiguous", [False, True], ids=["one-call", "two-counts-open"])
+@pytest.mark.parametrize("case", ["relative-position-bias", "resnet18-frozen-backbone"])
+def test_columns_are_folded_when_the_backward_runs_on_another_thread(
+    case, ambiguous, monkeypatch
+):
+    """CUDA runs a graph's backward on a device thread: the count comes by the level.
+
+    Simulated here by hiding the calling thread's count from the folded nodes. Where two
+    different counts are open at the level (two threads' calls), nothing is unwrapped:
+    the per-column path, still exact.
+    """
+    from ggnchunk import _autograd
+
+    monkeypatch.setattr(_autograd, "_COLUMNS", _OtherThread())
+    if ambiguous:  # another call's count open at the same level
+        monkeypatch.setitem(_autograd._BY_LEVEL, 1, [10**6])
+    folded = folded_paths(monkeypatch)
+    problem = _make(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(
+            problem.model, problem.loss_func, problem.inputs, problem.targets,
+            num_chunks=2,
+        )  # fmt: skip
+    assert_diag_close(got, _expected(case), rtol=1e-9)
+    assert folded and all(folded) is not ambiguous and any(folded) is not ambiguous
+    expected_open = {1: [10**6]} if ambiguous else {}
+    assert expected_open == _autograd._BY_LEVEL
+
+
 def test_frozen_layers_use_their_rules(monkeypatch):
     """Frozen Conv, GroupNorm, LayerNorm and BatchNorm map the vectors by their rules."""
     problem = _make("frozen-norms-conv")
