@@ -240,7 +240,7 @@ def _run_adaptive(
             # the GPU grows from measurements: start from the largest chunk the last
             # call measured within the target (not the size it would have tried next:
             # cuDNN's workspaces jump, 83 MiB at 273 columns and 6.5 GiB at 512 measured)
-            size = max(size, cached.fitted)
+            size = min(max(size, cached.fitted), planner.ceiling)
         elif (
             cached is None and mode is Mode.BUDGET and not planner.backend.sees_reuse
             and size >= 4 and (
