@@ -294,3 +294,20 @@ def test_folded_glue_and_attention_take_all_columns_at_once_on_cuda(case, monkey
     assert folded or case not in {"relative-position-bias", "resnet18-frozen-backbone"}
     actual = {k: v.cpu() for k, v in actual.items()}
     assert_diag_close(actual, table._expected(case), rtol=1e-9, label=f"{case} on CUDA")
+
+
+def test_mobilenet_v3_small_against_a_brute_force_on_the_same_device():
+    """The first GPU run: 9 of 55,296 entries 1.3x outside the tolerance against the CPU.
+
+    On the CPU that brute force moves by 2.6e-16 when the inputs move by 1e-15, so
+    conditioning does not explain it. Against a float64 brute force on CUDA too: if this
+    passes where the CPU comparison fails, the difference is the device's arithmetic
+    (cuDNN's float64 algorithms), not the engine's CUDA path.
+    """
+    cpu = BY_ID["tv-mobilenet_v3_small"].make()
+    model = copy.deepcopy(cpu.model).to(CUDA)
+    loss_func = copy.deepcopy(cpu.loss_func).to(CUDA)
+    inputs, targets = to(cpu.inputs, CUDA), cpu.targets.to(CUDA)
+    actual = ggnchunk.diag_ggn(model, loss_func, inputs, targets, num_chunks=3)
+    expected = reference_diag_ggn(model, loss_func, inputs, targets)
+    assert_diag_close(actual, expected, rtol=1e-9, label="mobilenet_v3_small, CUDA both")
