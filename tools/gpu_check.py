@@ -32,6 +32,7 @@ failed or a part failed or timed out, else 0.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -262,6 +263,9 @@ def environment() -> dict:
         "cuda_build": torch.version.cuda,
         "ggnchunk": ggnchunk.__version__,
         "commit": commit,
+        # the commit a copied tree reports can be stale (the GPU machine's was, on
+        # 2026-11-27): the hash of the package's sources names the code that ran
+        "source_sha256": source_hash(),
         "cuda_available": torch.cuda.is_available(),
     }
     if torch.cuda.is_available():
@@ -276,6 +280,15 @@ def environment() -> dict:
             nccl=_nccl_version(),
         )
     return env
+
+
+def source_hash() -> str:
+    """The first 12 hex digits of a SHA-256 over ``ggnchunk/``'s Python sources."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "ggnchunk").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _nccl_version() -> str | None:
@@ -332,7 +345,8 @@ def write_report(
 
     lines = ["# ggnchunk GPU check", ""]
     keys = ("device", "capability", "memory_gib", "driver", "torch", "cuda_build",
-            "cudnn", "nccl", "python", "ggnchunk", "commit", "date")  # fmt: skip
+            "cudnn", "nccl", "python", "ggnchunk", "commit", "source_sha256",
+            "date")  # fmt: skip
     lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {env[k]} |" for k in keys if env.get(k) is not None]
     lines += [
