@@ -15,15 +15,19 @@ it runs, each part in its own process group under its own time limit:
 2. a GPU benchmark (``python -m benchmarks --device cuda --quick --only ...``): BackPACK's
    one pass and ggnchunk's one pass, budget and auto modes on a small set of problems
    (:data:`BENCH_PROBLEMS`), with time and allocator peak as ratios to BackPACK's one
-   pass and the share of the GPU's float32 matmul peak measured in the same run.
+   pass and the share of the GPU's float32 matmul peak measured in the same run;
+3. ``python -m tools.gpu_budgets`` (60 s at most): one-pass peaks with and without cuDNN,
+   two budgeted calls' chunk sizes and peaks, and whether the folded glue took all
+   columns at once on the device thread (the open questions of the first GPU runs).
 
 and writes one report, ``report.md`` and ``report.json`` in ``--out`` (both paths are
 printed): device, driver, torch/CUDA/cuDNN versions, the test outcomes and failures, and
 every benchmark figure. A part that runs past its limit is reported as timed out (with
 the end of its output) and the next part still runs. The default limits (tests 200 s,
-benchmark 240 s) keep the whole check under 8 minutes. Measured on an H200 (torch 2.11,
-2026-11-27): the tests took 111 s; the benchmark ran past 130 s and 160 s (each method's
-first call in a fresh process pays CUDA's and cuDNN's start-up, 0.4-4.3 s).
+benchmark 240 s, budgets 60 s) keep the whole check under 9 minutes. Measured on an H200
+(torch 2.11, 2026-11-27): the tests took 111 s; the benchmark ran past 130 s and 160 s
+(each method's first call in a fresh process pays CUDA's and cuDNN's start-up, 0.4-4.3
+s).
 
 Without a CUDA device it says so and exits 0 (nothing to check). Exit status 1 if a test
 failed or a part failed or timed out, else 0.
@@ -50,6 +54,9 @@ BENCH_PROBLEMS = ("tutorial_conv_ae_n64", "unet_64", "resnet18")
 """The benchmark's rows here: the larger GPU batches (see benchmarks/problems.py)."""
 TESTS_TIMEOUT_S = 200.0
 BENCH_TIMEOUT_S = 240.0
+BUDGETS_TIMEOUT_S = 60.0
+"""``python -m tools.gpu_budgets``: cuDNN's workspaces against a budget (its output is in
+the report whole)."""
 TEST_ORDER = ("test_cuda.py", "test_cuda_tf32.py", "test_cuda_memory.py",
               "test_cuda_models.py")  # fmt: skip
 """Files run first (the rest after them, by name): the quick ones before the table."""
@@ -371,6 +378,10 @@ def write_report(
                       *("  " + line for line in failure["message"].splitlines()[:20]),
                       "  ```"]  # fmt: skip
     for p in parts:
+        if p.name == "budgets":
+            lines += ["", "## Budgets and cuDNN's workspaces (`tools.gpu_budgets`)", "",
+                      "```", p.tail[-3500:], "```"]  # fmt: skip
+            continue
         if p.timed_out or (p.returncode not in (0, None) and p.name == "benchmark"):
             state = "timed out" if p.timed_out else f"exit {p.returncode}"
             lines += ["", f"### End of the {p.name} output ({state})", "", "```",
@@ -422,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--problems", nargs="+", default=list(BENCH_PROBLEMS))
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-budgets", action="store_true")
+    parser.add_argument("--budgets-timeout", type=float, default=BUDGETS_TIMEOUT_S)
     return parser.parse_args(argv)
 
 
@@ -458,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         bench, bench_env = benchmark_rows(folder / "cuda-1t")
         print(f"gpu_check: benchmark, {len(bench)} rows in {parts[-1].seconds:.0f} s"
               + (" (timed out)" if parts[-1].timed_out else ""), flush=True)  # fmt: skip
+    if not args.skip_budgets:
+        parts.append(run_part(
+            "budgets", [sys.executable, "-m", "tools.gpu_budgets"], args.budgets_timeout
+        ))  # fmt: skip
+        print(f"gpu_check: budgets in {parts[-1].seconds:.0f} s", flush=True)
     md, js = write_report(out, env, parts, tests, bench, bench_env)
     print(f"gpu_check: wrote {md} and {js}", flush=True)
     failed = any(p.timed_out or p.returncode != 0 for p in parts) or bool(

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools import gpu_check
 
@@ -215,3 +216,23 @@ def test_tests_run_file_by_file_within_the_budget(tmp_path, monkeypatch):
     assert outcome.not_run == [names[2]]
     md, _ = gpu_check.write_report(tmp_path / "r", {}, parts, outcome, None)
     assert "Not run (time budget spent)" in md.read_text()
+
+
+def test_report_holds_the_budgets_diagnosis_whole(tmp_path):
+    budgets = '{"one_pass_mib": 10229.3, "one_pass_no_cudnn_mib": 228.2}'
+    parts = [gpu_check.Part("budgets", ["python"], returncode=0, seconds=20.0,
+                            tail=budgets)]  # fmt: skip
+    md, _ = gpu_check.write_report(tmp_path, {"device": "GPU"}, parts, None, None)
+    text = md.read_text()
+    assert "Budgets and cuDNN's workspaces" in text and budgets in text
+
+
+def test_budgets_diagnosis_without_a_gpu_and_its_glue_check_on_the_cpu(capsys):
+    from tools import gpu_budgets
+
+    if not torch.cuda.is_available():
+        assert gpu_budgets.main([]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
+    # the folded glue check itself, where the backward runs in the calling thread
+    seen = gpu_budgets.folded_glue_paths("cpu")
+    assert seen["all_columns"] > 0 and seen["column_by_column"] == 0
