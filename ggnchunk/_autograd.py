@@ -500,14 +500,29 @@ def _grad(
     grad_outputs: Sequence[Tensor],
     batched: bool,
 ) -> tuple[Tensor | None, ...]:
-    return torch.autograd.grad(
-        list(outputs),
-        list(inputs),
-        grad_outputs=list(grad_outputs),
-        retain_graph=True,
-        allow_unused=True,
-        is_grads_batched=batched,
-    )
+    try:
+        return torch.autograd.grad(
+            list(outputs),
+            list(inputs),
+            grad_outputs=list(grad_outputs),
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+    except RuntimeError as error:
+        if _CUDNN_RNN_EVAL not in str(error):
+            raise
+        raise ValueError(
+            "an LSTM, GRU or RNN of the model ran on cuDNN in eval mode, and cuDNN's "
+            "recurrent layers cannot backpropagate in eval mode (torch's own limit: "
+            "no gradient of it can be taken). Call model.train() for the call where the "
+            "recurrent layers have no dropout (the same function), or run the call "
+            "inside `with torch.backends.cudnn.flags(enabled=False):`."
+        ) from error
+
+
+# torch's check in cuDNN's recurrent backward (aten/src/ATen/native/cudnn/RNN.cpp)
+_CUDNN_RNN_EVAL = "cudnn RNN backward can only be called in training mode"
 
 
 def plain_grad(

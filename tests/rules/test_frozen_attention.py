@@ -325,6 +325,40 @@ def test_no_per_column_loop(case):
     assert _slow_warnings(_make(case), num_chunks=2) == []
 
 
+class _EvalRNN(torch.autograd.Function):
+    """``tanh`` whose backward fails as cuDNN's recurrent layers do in eval mode."""
+
+    @staticmethod
+    def forward(x):
+        return x.tanh()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("cudnn RNN backward can only be called in training mode")
+
+
+class EvalRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(_EvalRNN.apply(self.lin(x)))
+
+
+@pytest.mark.parametrize("chunking", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
+def test_cudnn_recurrent_layers_in_eval_mode_get_a_clear_error(chunking):
+    """PyTorch cannot backpropagate cuDNN's LSTM/GRU in eval mode: say so, with the fix."""
+    model = EvalRNN().double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"eval mode.*model\.train\(\).*cudnn\.flags"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **chunking)
+
+
 class _OtherThread:
     """A thread-local as another thread sees it: the caller's count never arrives."""
 
