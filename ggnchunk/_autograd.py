@@ -455,23 +455,25 @@ def on_columns(
     """
     count = getattr(_COLUMNS, "count", None)
     here = count is not None  # this thread's own batched backward (the CPU's)
-    if not here and grads and all(_legacy_batched(g) for g in grads):
-        # another thread's (a CUDA device thread runs the backward of the caller's
-        # call): its count by the level, where exactly one count is open there
-        with _LOCK:
-            counts = set(_BY_LEVEL.get(_vmap_level(), ()))
-        count = counts.pop() if len(counts) == 1 else None
-    if count is not None and all(_legacy_batched(g) for g in grads):
+    if grads and all(_legacy_batched(g) for g in grads):
         level = _vmap_level()
-        columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
-        if all(
-            c.shape == (count, *g.shape) and (here or not _legacy_batched(c))
-            for c, g in zip(columns, grads, strict=True)
-        ):  # (from another thread: the columns came out plain, so the level was ours)
-            results = backward(*columns)
-            return tuple(
-                None if r is None else torch._add_batch_dim(r, 0, level) for r in results
-            )
+        if not here:
+            # another thread's (a CUDA device thread runs the backward of the caller's
+            # call): its count by the level, where exactly one count is open there
+            with _LOCK:
+                counts = set(_BY_LEVEL.get(level, ()))
+            count = counts.pop() if len(counts) == 1 else None
+        if count is not None:
+            columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
+            if all(
+                c.shape == (count, *g.shape) and (here or not _legacy_batched(c))
+                for c, g in zip(columns, grads, strict=True)
+            ):  # (another thread's: the columns came out plain, so the level was ours)
+                results = backward(*columns)
+                return tuple(
+                    None if r is None else torch._add_batch_dim(r, 0, level)
+                    for r in results
+                )
     # one gradient (or a batching that is not ours): a leading axis of one; torch
     # batches (or loops over) the plain kernels as it would any backward
     results = backward(*(g.unsqueeze(0) for g in grads))

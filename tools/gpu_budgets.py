@@ -21,12 +21,13 @@ a part of its report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -111,6 +112,33 @@ class _Glue(torch.nn.Module):
         return self.second(h).flatten(1)
 
 
+@contextlib.contextmanager
+def folded_paths() -> Iterator[list[bool]]:
+    """Record, per folded glue node's backward in the block, whether it got all columns.
+
+    Yields:
+        The list the block's records go to (``True``: all columns at once, ``False``:
+        the per-column fallback of a leading axis of one).
+    """
+    from ggnchunk import _autograd, _glue_kernels
+
+    seen: list[bool] = []
+    original = _glue_kernels.on_columns
+
+    def spy(grads, backward):
+        def recorded(*columns):
+            seen.append(not any(_autograd._legacy_batched(c) for c in columns))
+            return backward(*columns)
+
+        return original(grads, recorded)
+
+    _glue_kernels.on_columns = spy
+    try:
+        yield seen
+    finally:
+        _glue_kernels.on_columns = original
+
+
 def folded_glue_paths(device: str = "cuda") -> dict[str, int]:
     """How many folded glue backward calls got all columns at once, and how many not.
 
@@ -121,31 +149,15 @@ def folded_glue_paths(device: str = "cuda") -> dict[str, int]:
         ``{"all_columns": n, "column_by_column": m}``.
     """
     import ggnchunk
-    from ggnchunk import _autograd, _glue_kernels
-
-    seen = {"all_columns": 0, "column_by_column": 0}
-    original = _glue_kernels.on_columns
-
-    def spy(grads, backward):
-        def recorded(*columns):
-            plain = not any(_autograd._legacy_batched(c) for c in columns)
-            seen["all_columns" if plain else "column_by_column"] += 1
-            return backward(*columns)
-
-        return original(grads, recorded)
 
     torch.manual_seed(0)
     model = _Glue().to(device)
     x = torch.randn(2, 3, 8, 8, device=device)
     target = torch.randn(2, 64, device=device)
-    _glue_kernels.on_columns = spy
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ggnchunk.diag_ggn(model, torch.nn.MSELoss(), x, target, num_chunks=2)
-    finally:
-        _glue_kernels.on_columns = original
-    return seen
+    with folded_paths() as seen, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ggnchunk.diag_ggn(model, torch.nn.MSELoss(), x, target, num_chunks=2)
+    return {"all_columns": sum(seen), "column_by_column": len(seen) - sum(seen)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,7 +268,7 @@ def test_windowed_columns_on_cuda(name, patches, monkeypatch):
     ["tiny-gpt", "relative-position-bias", "encoder-batch-first-frozen-attention",
      "frozen-norms-conv", "resnet18-frozen-backbone"],
 )  # fmt: skip
-def test_folded_glue_and_attention_take_all_columns_at_once_on_cuda(case, monkeypatch):
+def test_folded_glue_and_attention_take_all_columns_at_once_on_cuda(case):
     """No per-column loop on the GPU either, and exact against the CPU brute force.
 
     Autograd runs a CUDA graph's backward on a device thread, not the calling one: what
@@ -278,12 +278,12 @@ def test_folded_glue_and_attention_take_all_columns_at_once_on_cuda(case, monkey
     import warnings
 
     from tests.rules import test_frozen_attention as table
+    from tools.gpu_budgets import folded_paths
 
-    folded = table.folded_paths(monkeypatch)  # per folded glue node: all columns?
     cpu = table._make(case)
     model = copy.deepcopy(cpu.model).to(CUDA)
     loss_func = copy.deepcopy(cpu.loss_func).to(CUDA)
-    with warnings.catch_warnings(record=True) as caught:
+    with folded_paths() as folded, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = ggnchunk.diag_ggn(
             model, loss_func, to(cpu.inputs, CUDA), cpu.targets.to(CUDA), num_chunks=2

@@ -27,6 +27,7 @@ from ggnchunk._quantities import DiagonalGGN
 from tests.real_models import Problem as Case
 from tests.real_models import _randomize_norms
 from tests.reference import assert_diag_close, reference_diag_ggn, reference_kron
+from tools.gpu_budgets import folded_paths
 
 N = 2
 
@@ -341,19 +342,10 @@ class _EvalRNN(torch.autograd.Function):
         raise RuntimeError("cudnn RNN backward can only be called in training mode")
 
 
-class EvalRNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.head(_EvalRNN.apply(self.lin(x)))
-
-
 @pytest.mark.parametrize("chunking", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
 def test_cudnn_recurrent_layers_in_eval_mode_get_a_clear_error(chunking):
     """PyTorch cannot backpropagate cuDNN's LSTM/GRU in eval mode: say so, with the fix."""
-    model = EvalRNN().double()
+    model = Between(_EvalRNN).double()
     x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"eval mode.*model\.train\(\).*cudnn\.flags"):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **chunking)
@@ -363,24 +355,6 @@ class _OtherThread:
     """A thread-local as another thread sees it: the caller's count never arrives."""
 
     count = property(lambda self: None, lambda self, value: None)
-
-
-def folded_paths(monkeypatch) -> list[bool]:
-    """Record, per folded glue node's backward, whether it got all columns at once."""
-    from ggnchunk import _autograd, _glue_kernels
-
-    seen: list[bool] = []
-    original = _glue_kernels.on_columns
-
-    def spy(grads, backward):
-        def recorded(*columns):
-            seen.append(not any(_autograd._legacy_batched(c) for c in columns))
-            return backward(*columns)
-
-        return original(grads, recorded)
-
-    monkeypatch.setattr(_glue_kernels, "on_columns", spy)
-    return seen
 
 
 @pytest.mark.parametrize("ambiguous", [False, True], ids=["one-call", "two-counts-open"])
@@ -399,9 +373,8 @@ def test_columns_are_folded_when_the_backward_runs_on_another_thread(
     monkeypatch.setattr(_autograd, "_COLUMNS", _OtherThread())
     if ambiguous:  # another call's count open at the same level
         monkeypatch.setitem(_autograd._BY_LEVEL, 1, [10**6])
-    folded = folded_paths(monkeypatch)
     problem = _make(case)
-    with warnings.catch_warnings():
+    with folded_paths() as folded, warnings.catch_warnings():
         warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
         got = ggnchunk.diag_ggn(
             problem.model, problem.loss_func, problem.inputs, problem.targets,
@@ -492,20 +465,22 @@ class _Unbatchable(torch.autograd.Function):
         return grad * x.cos()
 
 
-class Unbatchable(nn.Module):
-    def __init__(self):
+class Between(nn.Module):
+    """Two linear layers with a custom autograd function between them."""
+
+    def __init__(self, function: type[torch.autograd.Function]):
         super().__init__()
-        self.lin, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.lin, self.head, self.function = nn.Linear(4, 5), nn.Linear(5, 3), function
 
     def forward(self, x):
-        return self.head(_Unbatchable.apply(self.lin(x)))
+        return self.head(self.function.apply(self.lin(x)))
 
 
 @pytest.mark.parametrize("chunking", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
 def test_a_kernel_torch_cannot_batch_goes_column_by_column(chunking):
     """Torch's "could not generate a fallback" (cuDNN's LSTM on the GPU): exact, named."""
     torch.manual_seed(0)
-    model = Unbatchable().double()
+    model = Between(_Unbatchable).double()
     x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
     expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
     with warnings.catch_warnings(record=True) as caught:
