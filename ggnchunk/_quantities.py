@@ -364,10 +364,27 @@ class _Products(Quantity):
             values = call.rule.diag_windowed(call.ctx, grads)
             if values is None:
                 grads = grads.dense()
+        into = None
         if values is None:
-            values = call.rule.diag(call.ctx, grads)
+            into = self._into(call) or None
+            call.ctx.into = into
+            try:
+                values = call.rule.diag(call.ctx, grads)
+            finally:
+                call.ctx.into = None
         for i, pname in call.params:
-            self._add(i, values[pname])
+            if into is not None and pname in into and pname not in values:
+                self._done.add(i)  # the rule added its value to the result in place
+            else:
+                self._add(i, values[pname])
+
+    def _into(self, call: Call) -> dict[str, Tensor]:
+        """Accumulators a rule's :meth:`~ggnchunk.extend.Rule.diag` may add to in place.
+
+        Only where the value would be added to :attr:`result` as it is (no temporary
+        of the parameter's size then); none by default.
+        """
+        return {}
 
     def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
         v, n = grads.shape[:2]
@@ -417,6 +434,10 @@ class DiagonalGGN(_Products):
     def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         super().begin(sqrt, start, stop)
         self._mask = sqrt.squared_mask(start, stop)
+
+    def _into(self, call: Call) -> dict[str, Tensor]:
+        # the diagonal's accumulators themselves (a skipped parameter is left alone)
+        return {pname: self.result[i] for i, pname in call.params if i not in self._skip}
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
         if self._mask is not None and call.ctx.output:

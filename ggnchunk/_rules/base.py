@@ -108,6 +108,12 @@ class RuleContext:
         index: The call's place in the recorded order.
         images: The forward pass's cache of windowed fields' images
             (:class:`~ggnchunk._windows.FieldCache`; ``None``: none).
+        into: While :meth:`Rule.diag` runs, accumulators of the call's diagonal by
+            parameter name (the result, viewed as the parameter), which a built-in rule
+            may add its value to in place instead of returning it; a rule that does
+            leaves the name out of its returned dict. It adds in one step, after every
+            allocation of the computation (an out-of-memory error mid-way must leave
+            the accumulator as it was: the chunk is retried). ``None``: return values.
     """
 
     module: nn.Module
@@ -122,6 +128,7 @@ class RuleContext:
     node: Any = None
     index: int = -1
     images: Any = None
+    into: dict[str, Tensor] | None = None
 
     @property
     def x(self) -> Tensor:

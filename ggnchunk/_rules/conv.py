@@ -367,8 +367,13 @@ class ConvRule(LayerRule):
                     b = a.new_empty(()).expand(n, g, k, p)
                 else:
                     b = self._patches(ctx)
-                weight = square_sum(a, b, ctx.caches, ctx.lean, ctx.columns)
-                out["weight"] = weight.reshape(module.weight.shape)
+                into = None if ctx.into is None else ctx.into.get("weight")
+                weight = square_sum(
+                    a, b, ctx.caches, ctx.lean, ctx.columns,
+                    None if into is None else into.view(g, o, k),
+                )  # fmt: skip
+                if weight is not None:
+                    out["weight"] = weight.reshape(module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = a.sum(4).square().sum((0, 1)).reshape(-1)
         return out

@@ -50,7 +50,8 @@ def square_sum(
     cache: Caches | None = None,
     lean: bool = False,
     columns: int | None = None,
-) -> Tensor:
+    into: Tensor | None = None,
+) -> Tensor | None:
     """``sum_{v,n} (sum_p a[v,n,g,o,p] b[n,g,k,p])**2`` as ``[g, o, k]``.
 
     Args:
@@ -61,17 +62,29 @@ def square_sum(
         columns: The chunk size the memory bound was made for
             (:func:`square_sum_bytes`): larger chunks choose the form that size would,
             so that the bound holds for every chunk.
+        into: ``[G, O, K]`` (a view of the quantity's accumulator) to add the result to
+            where the form allows it in one product that allocates nothing after it
+            starts writing (one position: the squares summed first, then one batched
+            product with ``beta=1``); no ``[G, O, K]`` temporary is made then.
 
     Returns:
-        ``[G, O, K]``.
+        ``[G, O, K]``, or ``None`` where the result was added to ``into``.
     """
     v, n, g, o, p = a.shape
     k = b.shape[2]
     if use_gram(v if columns is None else min(v, columns), n, g, o, k, p, lean):
         if p == 1:
-            return torch.einsum(
-                "ngo,ngk->gok", a.square().sum(0)[..., 0], b[..., 0].square()
-            )
+            left = a.square().sum(0)[..., 0]  # [N, G, O]
+            right = b[..., 0].square()  # [N, G, K]
+            if into is not None and into.is_contiguous():
+                left = left.permute(1, 2, 0)  # [G, O, N]
+                right = right.transpose(0, 1)  # [G, N, K]
+                if left.dtype == into.dtype and right.dtype == into.dtype:
+                    # both factors are ready (copied where bmm needs it) before the
+                    # product writes into the accumulator
+                    into.baddbmm_(left.contiguous(), right.contiguous())
+                    return None
+            return torch.einsum("ngo,ngk->gok", left, right)
         bb = None if cache is None else cache.gram
         if bb is None:
             bb = torch.einsum("ngkp,ngkq->ngkpq", b, b)

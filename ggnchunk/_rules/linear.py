@@ -31,7 +31,13 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         a, b = self._sides(ctx, grads)
         if trainable(module, "weight"):
-            out["weight"] = square_sum(a, b, ctx.caches, columns=ctx.columns)[0]
+            into = None if ctx.into is None else ctx.into.get("weight")
+            weight = square_sum(
+                a, b, ctx.caches, columns=ctx.columns,
+                into=None if into is None else into.unsqueeze(0),
+            )  # fmt: skip
+            if weight is not None:
+                out["weight"] = weight[0]
         if trainable(module, "bias"):
             out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
         return out
