@@ -78,6 +78,37 @@ def test_non_finite_values_are_named_not_called_coupling(problem, where, value):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float64])  # fmt: skip
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), None])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "expanded"])
+@pytest.mark.parametrize("size", [1, 31, 4097, 100_003])
+def test_the_finite_check_agrees_with_isfinite(dtype, value, layout, size):
+    """The checks' fast test (by the extremes) against ``isfinite(...).all()``."""
+    from ggnchunk._checks import all_finite
+
+    generator = torch.Generator().manual_seed(size)
+    x = torch.randn(2 * size, generator=generator).to(dtype)
+    if value is not None:  # anywhere, also the last element a vectorized loop sees
+        for index in (0, size - 1, 2 * size - 1, int(torch.randint(size, (1,)))):
+            y = x.clone()
+            y[index] = value
+            for z in _layouts(y, layout, size):
+                assert all_finite(z) == bool(torch.isfinite(z).all()), (index, z.shape)
+    else:
+        for z in _layouts(x, layout, size):
+            assert all_finite(z)
+    assert all_finite(x[:0])
+
+
+def _layouts(x: torch.Tensor, layout: str, size: int) -> list[torch.Tensor]:
+    if layout == "contiguous":
+        return [x]
+    if layout == "strided":
+        return [x[::2], x[1::2], x.reshape(2, size).t()]
+    return [x[:size].unsqueeze(0).expand(3, -1)]
+
+
 class _LogOf(nn.Module):
     """A log (or a masked square root) of a linear layer's output: NaN where negative."""
 
