@@ -364,19 +364,37 @@ class _Products(Quantity):
             values = call.rule.diag_windowed(call.ctx, grads)
             if values is None:
                 grads = grads.dense()
-        into = None
         if values is None:
-            into = self._into(call) or None
-            call.ctx.into = into
-            try:
-                values = call.rule.diag(call.ctx, grads)
-            finally:
-                call.ctx.into = None
+            self._in_place(call, call.rule.diag, grads)
+            return
+        for i, pname in call.params:
+            self._add(i, values[pname])
+
+    def _in_place(self, call: Call, method: Any, argument: Any) -> bool:
+        """Run a rule's ``method`` with the accumulators it may add to in place.
+
+        Args:
+            call: The layer's call.
+            method: ``call.rule.diag`` or ``call.rule.diag_onehot``.
+            argument: Its second argument (the columns, or the one-hot mask).
+
+        Returns:
+            Whether it gave the diagonal (``diag_onehot`` may decline with ``None``).
+        """
+        into = self._into(call) or None
+        call.ctx.into = into
+        try:
+            values = method(call.ctx, argument)
+        finally:
+            call.ctx.into = None
+        if values is None:
+            return False
         for i, pname in call.params:
             if into is not None and pname in into and pname not in values:
                 self._done.add(i)  # the rule added its value to the result in place
             else:
                 self._add(i, values[pname])
+        return True
 
     def _into(self, call: Call) -> dict[str, Tensor]:
         """Accumulators a rule's :meth:`~ggnchunk.extend.Rule.diag` may add to in place.
@@ -440,13 +458,13 @@ class DiagonalGGN(_Products):
         return {pname: self.result[i] for i, pname in call.params if i not in self._skip}
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
-        if self._mask is not None and call.ctx.output:
-            # one-hot columns at the model output: the diagonal from the mask alone
-            onehot = call.rule.diag_onehot(call.ctx, self._mask)
-            if onehot is not None:
-                for i, pname in call.params:
-                    self._add(i, onehot[pname])
-                return
+        # one-hot columns at the model output: the diagonal from the mask alone
+        if (
+            self._mask is not None
+            and call.ctx.output
+            and self._in_place(call, call.rule.diag_onehot, self._mask)
+        ):
+            return
         super()._unshared(call, grads)
 
     def end(self, recording: Recording) -> None:

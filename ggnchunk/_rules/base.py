@@ -108,12 +108,13 @@ class RuleContext:
         index: The call's place in the recorded order.
         images: The forward pass's cache of windowed fields' images
             (:class:`~ggnchunk._windows.FieldCache`; ``None``: none).
-        into: While :meth:`Rule.diag` runs, accumulators of the call's diagonal by
-            parameter name (the result, viewed as the parameter), which a built-in rule
-            may add its value to in place instead of returning it; a rule that does
-            leaves the name out of its returned dict. It adds in one step, after every
-            allocation of the computation (an out-of-memory error mid-way must leave
-            the accumulator as it was: the chunk is retried). ``None``: return values.
+        into: While :meth:`Rule.diag` (or ``diag_onehot``) runs, accumulators of the
+            call's diagonal by parameter name (the result, viewed as the parameter),
+            which a built-in rule may add its value to in place instead of returning
+            it; a rule that does leaves the name out of its returned dict. It adds in
+            one step, after every allocation of the computation (an out-of-memory
+            error mid-way must leave the accumulator as it was: the chunk is retried).
+            ``None``: return values.
     """
 
     module: nn.Module

@@ -72,7 +72,14 @@ class LinearRule(LayerRule):
         mask = mask.expand(x.shape[0], *mask.shape[1:]).reshape(-1, o)
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = mask.T @ x.reshape(-1, i).square()
+            squares = x.reshape(-1, i).square()
+            into = None if ctx.into is None else ctx.into.get("weight")
+            if into is not None and into.dtype == squares.dtype and into.is_contiguous():
+                # into the result: no temporary of the weight's size (a language
+                # model's head is its largest matrix)
+                into.addmm_(mask.T, squares)
+            else:
+                out["weight"] = mask.T @ squares
         if trainable(module, "bias"):
             out["bias"] = mask.sum(0)
         return out

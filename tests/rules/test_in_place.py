@@ -1,8 +1,9 @@
 """Layers on one position add their diagonal to the result in place (no weight-sized copy).
 
-A Linear layer on feature vectors and a convolution whose output is one pixel (ResNet's
-last stage on small images) sum the squares over the columns first and need one product
-of the weight's size per chunk. That product used to be a new tensor, then added to the
+A Linear layer on feature vectors, the output layer's one-hot form (a language model's
+head) and a convolution whose output is one pixel (ResNet's last stage on small images)
+sum the squares over the columns first and need one product of the weight's size per
+chunk. That product used to be a new tensor, then added to the
 result: one weight-sized temporary per layer and chunk, which set ResNet-18's floor under
 a tight budget (a one-column pass at 72-85 MiB against an 81 MiB budget, where the
 result alone holds 43 MiB). Now it is written into the result (``baddbmm_``).
@@ -31,6 +32,14 @@ def _linear():
     return model, nn.MSELoss(), x, torch.randn(3, 6, dtype=torch.float64), model[2]
 
 
+def _head():
+    """The model output's layer: its diagonal from the one-hot mask (MSE)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 37), nn.Tanh(), nn.Linear(37, 211)).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    return model, nn.MSELoss(), x, torch.randn(3, 211, dtype=torch.float64), model[2]
+
+
 def _conv_one_pixel():
     torch.manual_seed(1)
     model = nn.Sequential(
@@ -44,7 +53,7 @@ def _conv_one_pixel():
     return model, nn.CrossEntropyLoss(), x, torch.tensor([0, 3, 1]), model[2]
 
 
-CASES = {"linear": _linear, "conv-one-pixel": _conv_one_pixel}
+CASES = {"linear": _linear, "head": _head, "conv-one-pixel": _conv_one_pixel}
 CHUNKINGS = [{}, {"num_chunks": 3}, {"chunk_size": 1}]
 
 
