@@ -264,7 +264,7 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _pin_graph(self, output: Tensor) -> None:
         """Keep the Python object of every node behind ``output`` alive with the recording.
 
-        The sweeps and glue plans know nodes by ``id``. Before torch 2.14 a C++ node's
+        The sweeps and glue plans know nodes by ``id``. Before torch 2.13 a C++ node's
         Python object lives only while something refers to it (``next_functions`` makes
         a new one on each access after the last was dropped), so the id of a dropped
         one is reused by the next object made: a walk then took an unseen node for a

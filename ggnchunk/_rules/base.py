@@ -136,6 +136,22 @@ class RuleContext:
         """The layer's first input, detached."""
         return self.inputs[0].detach()
 
+    def accumulator(self, name: str, dtype: torch.dtype) -> Tensor | None:
+        """The accumulator of parameter ``name`` to add to in place (:attr:`into`).
+
+        Args:
+            name: The parameter's name in the layer.
+            dtype: The dtype of the value the rule would add.
+
+        Returns:
+            The contiguous accumulator of that dtype, shaped as the parameter, or
+            ``None`` (none handed in: return the value instead).
+        """
+        into = None if self.into is None else self.into.get(name)
+        if into is None or into.dtype != dtype or not into.is_contiguous():
+            return None
+        return into
+
     @property
     def extra(self) -> dict[str, Any]:
         """A registered rule's own caches (:attr:`Caches.custom`)."""

@@ -367,7 +367,7 @@ class ConvRule(LayerRule):
                     b = a.new_empty(()).expand(n, g, k, p)
                 else:
                     b = self._patches(ctx)
-                into = None if ctx.into is None else ctx.into.get("weight")
+                into = ctx.accumulator("weight", a.dtype)
                 weight = square_sum(
                     a, b, ctx.caches, ctx.lean, ctx.columns,
                     None if into is None else into.view(g, o, k),

@@ -62,10 +62,11 @@ def square_sum(
         columns: The chunk size the memory bound was made for
             (:func:`square_sum_bytes`): larger chunks choose the form that size would,
             so that the bound holds for every chunk.
-        into: ``[G, O, K]`` (a view of the quantity's accumulator) to add the result to
-            where the form allows it in one product that allocates nothing after it
-            starts writing (one position: the squares summed first, then one batched
-            product with ``beta=1``); no ``[G, O, K]`` temporary is made then.
+        into: ``[G, O, K]``, contiguous, of ``a``'s dtype (a view of the quantity's
+            accumulator, :meth:`~ggnchunk._rules.base.RuleContext.accumulator`) to add
+            the result to where the form allows it in one product that allocates
+            nothing after it starts writing (one position: the squares summed first,
+            then one batched product with ``beta=1``); no ``[G, O, K]`` temporary then.
 
     Returns:
         ``[G, O, K]``, or ``None`` where the result was added to ``into``.
@@ -76,15 +77,14 @@ def square_sum(
         if p == 1:
             left = a.square().sum(0)[..., 0]  # [N, G, O]
             right = b[..., 0].square()  # [N, G, K]
-            if into is not None and into.is_contiguous():
-                left = left.permute(1, 2, 0)  # [G, O, N]
-                right = right.transpose(0, 1)  # [G, N, K]
-                if left.dtype == into.dtype and right.dtype == into.dtype:
-                    # both factors are ready (copied where bmm needs it) before the
-                    # product writes into the accumulator
-                    into.baddbmm_(left.contiguous(), right.contiguous())
-                    return None
-            return torch.einsum("ngo,ngk->gok", left, right)
+            if into is None:
+                return torch.einsum("ngo,ngk->gok", left, right)
+            # both factors are made (copied where bmm needs it) before the product
+            # writes into the accumulator
+            left = left.permute(1, 2, 0).contiguous()  # [G, O, N]
+            right = right.transpose(0, 1).contiguous()  # [G, N, K]
+            into.baddbmm_(left, right)
+            return None
         bb = None if cache is None else cache.gram
         if bb is None:
             bb = torch.einsum("ngkp,ngkq->ngkpq", b, b)

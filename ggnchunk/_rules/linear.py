@@ -31,7 +31,7 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         a, b = self._sides(ctx, grads)
         if trainable(module, "weight"):
-            into = None if ctx.into is None else ctx.into.get("weight")
+            into = ctx.accumulator("weight", a.dtype)
             weight = square_sum(
                 a, b, ctx.caches, columns=ctx.columns,
                 into=None if into is None else into.unsqueeze(0),
@@ -73,8 +73,8 @@ class LinearRule(LayerRule):
         out = {}
         if trainable(module, "weight"):
             squares = x.reshape(-1, i).square()
-            into = None if ctx.into is None else ctx.into.get("weight")
-            if into is not None and into.dtype == squares.dtype and into.is_contiguous():
+            into = ctx.accumulator("weight", squares.dtype)
+            if into is not None:
                 # into the result: no temporary of the weight's size (a language
                 # model's head is its largest matrix)
                 into.addmm_(mask.T, squares)
