@@ -20,9 +20,16 @@ written with the operations torch's batching does have rules for (3-d ``bmm``,
 elementwise maths), so that the columns are one batched computation. ``P`` is recomputed
 from the recorded ``Q``, ``K`` (no user code runs again). Calls it cannot reproduce
 exactly are left as they are: dropout inside attention (``dropout_p > 0``: its draws),
-grouped-query attention with fewer key heads, nested tensors, inputs whose leading axes
-differ. A float mask that requires grad (a learned relative-position bias: BEiT, Swin)
-gets :math:`dS`, summed over the axes it was broadcast along.
+nested tensors, inputs whose leading axes differ (broadcast). Grouped-query attention
+(``enable_gqa=True``: Mistral, Qwen2, Llama 3 with fewer key heads) is folded with each
+key head repeated for its query heads, and the keys' gradients summed back per head. A
+float mask that requires grad (a learned relative-position bias: BEiT, Swin) gets
+:math:`dS`, summed over the axes it was broadcast along.
+
+A column's gradient at the attention's output is often zero on most query rows: an
+output pixel's column at a U-Net's bottleneck reaches the tokens of its receptive
+field, a token's column at a language model's last block that token alone. Those
+columns are computed on their non-zero rows only (:func:`_columns_backward`), exactly.
 
 Only the thread that runs the engine's forward pass is affected (torch function modes
 are thread-local), and only while that forward runs.
@@ -37,6 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ggnchunk._autograd import is_batched, on_columns
+
 __all__ = ["SDPA", "attention_workspace", "fold_attention", "unchecked"]
 
 SDPA = torch._C._nn.scaled_dot_product_attention
@@ -48,9 +57,14 @@ class _FoldedAttention(torch.autograd.Function):
     """``scaled_dot_product_attention`` with a backward that batches over columns."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale):
-        out = SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    def forward(ctx, q, k, v, mask, is_causal, scale, groups):
+        if groups > 1:
+            out = SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                       enable_gqa=True)  # fmt: skip
+        else:
+            out = SDPA(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
         ctx.save_for_backward(q, k, v, mask)
+        ctx.groups = groups
         ctx.is_causal = is_causal
         ctx.scale = q.shape[-1] ** -0.5 if scale is None else scale
         ctx.workspace = _workspace(q, k, v) + (
@@ -62,6 +76,15 @@ class _FoldedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, mask = ctx.saved_tensors
+        key_shapes = (k.shape, v.shape)
+        if ctx.groups > 1:  # grouped-query attention: query head h reads key head
+            # h // groups; the keys' gradients are summed over their groups
+            k = k.repeat_interleave(ctx.groups, -3)
+            v = v.repeat_interleave(ctx.groups, -3)
+        elif k.shape[:-2] != q.shape[:-2]:  # keys broadcast over the queries' leading
+            # axes (one key head for all query heads: Falcon's multi-query attention)
+            k = k.expand(*q.shape[:-2], *k.shape[-2:])
+            v = v.expand(*q.shape[:-2], *v.shape[-2:])
         lead, (length, dim), (keys, dim_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
         b = math.prod(lead)
         q3, k3, v3 = (
@@ -78,30 +101,215 @@ class _FoldedAttention(torch.autograd.Function):
         if bias is not None:  # rows without any key attended to: zero output
             p = p.nan_to_num(0.0)
         del scores, bias
-        # per column (batched by autograd): only products and elementwise maths. The
-        # rows' sums of P * dP are dO . O (O = P V, not per column), so no second
-        # [L, S] map per column is made for them
-        g = grad.reshape(b, length, dim_v)
-        rows = (g * torch.bmm(p, v3)).sum(-1, keepdim=True)
-        ds = (torch.bmm(g, v3.transpose(1, 2)) - rows) * p
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq = torch.bmm(ds, k3 * ctx.scale).reshape(q.shape) if need_q else None
-        dk = (
-            torch.bmm(ds.transpose(1, 2), q3 * ctx.scale).reshape(k.shape)
-            if need_k
-            else None
-        )
-        dv = None
-        if need_v:  # one product per slice with P (not per column) on the left: the
-            # columns fold into its rows, where a batched product with P copied P
-            # once per column (as large as dP)
-            dv = torch.stack([torch.mm(p[i].t(), g[i]) for i in range(b)])
-            dv = dv.reshape(v.shape)
-        dmask = None
-        if ctx.needs_input_grad[3]:  # a learned bias (relative positions): dS, summed
-            # over the axes the mask was broadcast along
-            dmask = _summed_to(ds.reshape(*lead, length, keys), mask.shape)
-        return dq, dk, dv, dmask, None, None
+        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
+        if need_mask:  # a learned bias (relative positions) needs every column's dS
+            dq, dk, dv, dmask = _per_column(ctx, q, k, v, mask, grad, p, q3, k3, v3)
+            dk = None if dk is None else _grouped(dk[None], 1, key_shapes[0], ctx.groups)[0]
+            dv = None if dv is None else _grouped(dv[None], 1, key_shapes[1], ctx.groups)[0]
+            return dq, dk, dv, dmask, None, None, None
+        o = torch.bmm(p, v3)  # O = P V (not per column): the rows' sums of P * dP
+        dims = (length, keys, dim, dim_v)
+        scaled = (q3 * ctx.scale, k3 * ctx.scale)
+        needs = (need_q, need_k, need_v)
+
+        def backward(g: Tensor) -> tuple[Tensor | None, ...]:
+            dq, dk, dv = _columns_backward(g, p, o, scaled, v3, dims, needs)
+            count = g.shape[0]
+            return (
+                None if dq is None else dq.reshape(count, *q.shape),
+                _grouped(dk, count, key_shapes[0], ctx.groups),
+                _grouped(dv, count, key_shapes[1], ctx.groups),
+            )
+
+        return (*on_columns([grad], backward), None, None, None, None)
+
+
+def _grouped(
+    grads: Tensor | None, count: int, shape: torch.Size, groups: int
+) -> Tensor | None:
+    """Keys' or values' gradients ``[V, ...]`` on the query heads, summed per key head.
+
+    Args:
+        grads: ``[V, *lead, S, D]`` on the queries' leading axes: the key heads repeated
+            (``groups`` query heads per key head), or the keys broadcast along them.
+        count: ``V``.
+        shape: The keys' (or values') own shape ``[..., Hk, S, D]``.
+        groups: Query heads per key head (1: none, or broadcast keys).
+
+    Returns:
+        ``[V, *shape]``, or ``None``.
+    """
+    if grads is None:
+        return None
+    if groups > 1:
+        heads = shape[-3]
+        grads = grads.reshape(count, *shape[:-3], heads, groups, *shape[-2:])
+        return grads.sum(-3)
+    grads = grads.reshape(count, -1, *shape[-2:])  # broadcast keys: summed over the
+    lead = grads.shape[1]  # query axes they were expanded along
+    if lead == math.prod(shape[:-2]):
+        return grads.reshape(count, *shape)
+    return grads.reshape(count, *_expanded_lead(shape, lead), *shape[-2:]).sum(
+        tuple(1 + i for i, n in enumerate(shape[:-2]) if n == 1), keepdim=True
+    ).reshape(count, *shape)  # fmt: skip
+
+
+def _expanded_lead(shape: torch.Size, lead: int) -> tuple[int, ...]:
+    """The queries' leading axes that keys of ``shape`` were broadcast to (``lead`` in all).
+
+    Only the axes of size one in ``shape`` were expanded; their common size is what
+    the others leave (one such axis, as the fold allows).
+    """
+    kept = math.prod(n for n in shape[:-2] if n != 1)
+    ones = [i for i, n in enumerate(shape[:-2]) if n == 1]
+    sizes = list(shape[:-2])
+    sizes[ones[0]] = lead // kept
+    return tuple(sizes)
+
+
+def _per_column(
+    ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, grad: Tensor, p: Tensor,
+    q3: Tensor, k3: Tensor, v3: Tensor,
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """The backward on one column's view (batched by autograd), with the mask's dS."""
+    b, length, keys = p.shape
+    # only products and elementwise maths. The rows' sums of P * dP are dO . O (O = P V,
+    # not per column), so no second [L, S] map per column is made for them
+    g = grad.reshape(b, length, v.shape[-1])
+    rows = (g * torch.bmm(p, v3)).sum(-1, keepdim=True)
+    ds = (torch.bmm(g, v3.transpose(1, 2)) - rows) * p
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    dq = torch.bmm(ds, k3 * ctx.scale).reshape(q.shape) if need_q else None
+    dk = torch.bmm(ds.transpose(1, 2), q3 * ctx.scale).reshape(k.shape) if need_k else None
+    dv = None
+    if need_v:  # one product per slice with P (not per column) on the left: the
+        # columns fold into its rows, where a batched product with P copied P
+        # once per column (as large as dP)
+        dv = torch.stack([torch.mm(p[i].t(), g[i]) for i in range(b)]).reshape(v.shape)
+    # dS, summed over the axes the mask was broadcast along
+    lead = q.shape[:-2]
+    dmask = _summed_to(ds.reshape(*lead, length, keys), mask.shape)
+    return dq, dk, dv, dmask
+
+
+SPARSE_SHARE = 0.5
+"""Columns whose output gradient is non-zero on at most this share of the query rows
+take the rows' form (:func:`_columns_backward`)."""
+
+
+def _columns_backward(
+    grad: Tensor, p: Tensor, o: Tensor, scaled: tuple[Tensor, Tensor], v3: Tensor,
+    dims: tuple[int, int, int, int], needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """The backward of all columns ``[V, *lead, L, Dv]`` at once.
+
+    A column's output gradient is often zero on most query rows: an output pixel's
+    column reaches a bottleneck's attention on its receptive field's tokens only, a
+    token's column reaches the last block's attention on that token alone. Rows with a
+    zero ``dO`` have a zero ``dS`` (``dS = P * (dO V^T - dO . O)``) and add nothing to
+    ``dV``, ``dK`` or ``dQ``: such columns are computed on their non-zero rows (``r``
+    of them, the most any of them has), four products of ``r x S`` instead of
+    ``L x S`` per column, slice and head. Exact: the same sums without their zero
+    terms. The other columns take the full form, batched in the same products.
+
+    Args:
+        grad: ``[V, *lead, L, Dv]``, the columns' output gradients.
+        p: ``[B, L, S]`` attention probabilities (``B`` = the lead axes' product).
+        o: ``[B, L, Dv]``, ``P V``.
+        scaled: ``Q`` and ``K`` as ``[B, L, D]``, ``[B, S, D]``, times the scale.
+        v3: ``[B, S, Dv]``.
+        dims: ``(L, S, D, Dv)``.
+        needs: Which of ``dQ``, ``dK``, ``dV`` to make.
+
+    Returns:
+        ``dQ`` ``[V, B, L, D]``, ``dK`` ``[V, B, S, D]``, ``dV`` ``[V, B, S, Dv]``
+        (``None`` where not needed).
+    """
+    length, _, _, dim_v = dims
+    count, b = grad.shape[0], p.shape[0]
+    g = grad.reshape(count, b, length, dim_v)
+    if is_batched(g):  # a batching this backward cannot unwrap: no data-dependent sizes
+        return _on_rows(g, None, p, o, scaled, v3, needs)
+    live = g.ne(0).any(3).any(1)  # [V, L]: rows with a non-zero gradient (NaN counts)
+    sizes = live.sum(1)
+    sparse = sizes <= SPARSE_SHARE * length
+    if not bool(sparse.any()):
+        return _on_rows(g, None, p, o, scaled, v3, needs)
+    # each column's live rows first, in order (a zero row pads the shorter ones)
+    rows = torch.sort(live.to(torch.uint8), stable=True, dim=1, descending=True).indices
+    width = max(int(sizes[sparse].max()), 1)
+    if bool(sparse.all()):
+        return _on_rows(g, rows[:, :width], p, o, scaled, v3, needs)
+    picked, rest = sparse.nonzero().squeeze(1), (~sparse).nonzero().squeeze(1)
+    parts = (
+        _on_rows(g[picked], rows[picked, :width], p, o, scaled, v3, needs),
+        _on_rows(g[rest], None, p, o, scaled, v3, needs),
+    )
+    results = []
+    for few, full in zip(*parts, strict=True):
+        if few is None:
+            results.append(None)
+            continue
+        out = few.new_empty(count, *few.shape[1:])
+        out[picked], out[rest] = few, full
+        results.append(out)
+    return tuple(results)
+
+
+def _on_rows(
+    g: Tensor, rows: Tensor | None, p: Tensor, o: Tensor, scaled: tuple[Tensor, Tensor],
+    v3: Tensor, needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """:func:`_columns_backward` of columns ``g`` ``[V, B, L, Dv]`` on query ``rows``.
+
+    ``rows`` ``[V, r]`` (every row where ``g`` is non-zero among them; ``None``: all).
+    The products run per slice ``B`` with the columns folded into their rows.
+    """
+    count, b, length, dim_v = g.shape
+    q3, k3 = scaled
+    keys = p.shape[2]
+    if rows is None:
+        width = length
+        gr = g.transpose(0, 1)  # [B, V, L, Dv]
+        pr = p.unsqueeze(1)  # [B, 1, L, S]
+        orow, qr = o.unsqueeze(1), q3.unsqueeze(1)
+    else:
+        width = rows.shape[1]
+        gr = g.gather(2, rows[:, None, :, None].expand(count, b, width, dim_v))
+        gr = gr.transpose(0, 1)  # [B, V, r, Dv]
+        pr, orow, qr = p[:, rows], o[:, rows], q3[:, rows]  # [B, V, r, *]
+    gr = gr.contiguous()
+    ds = torch.bmm(gr.view(b, count * width, dim_v), v3.transpose(1, 2))
+    ds = ds.view(b, count, width, keys)
+    ds.sub_((gr * orow).sum(-1, keepdim=True)).mul_(pr)  # dS = P * (dO V^T - dO . O)
+    need_q, need_k, need_v = needs
+    dq = dk = dv = None
+    if need_q:
+        dqr = torch.bmm(ds.view(b, count * width, keys), k3).view(b, count, width, -1)
+        if rows is None:
+            dq = dqr.transpose(0, 1)
+        else:
+            dq = dqr.new_zeros(b, count, length, dqr.shape[-1]).scatter_(
+                2, rows[None, :, :, None].expand(dqr.shape), dqr
+            ).transpose(0, 1)  # fmt: skip
+    flat = ds.view(b * count, width, keys) if rows is not None else None
+    if need_k:
+        if rows is None:  # dK = dS^T Q: per slice, the columns' dS side by side
+            dk = torch.matmul(ds.transpose(2, 3), q3.unsqueeze(1))
+        else:
+            dk = torch.bmm(flat.transpose(1, 2), qr.reshape(b * count, width, -1))
+            dk = dk.view(b, count, keys, -1)
+        dk = dk.transpose(0, 1)
+    if need_v:
+        if rows is None:  # one product per slice with P (not per column) on the left
+            cols = gr.permute(0, 2, 1, 3).reshape(b, length, count * dim_v)
+            dv = torch.bmm(p.transpose(1, 2), cols).view(b, keys, count, dim_v)
+            dv = dv.permute(2, 0, 1, 3)
+        else:
+            dv = torch.bmm(pr.reshape(b * count, width, keys).transpose(1, 2),
+                           gr.view(b * count, width, dim_v))  # fmt: skip
+            dv = dv.view(b, count, keys, dim_v).transpose(0, 1)
+    return dq, dk, dv
 
 
 def _summed_to(values: Tensor, shape: torch.Size) -> Tensor:
@@ -185,8 +393,21 @@ def fold_attention(args: tuple, kwargs: dict) -> Tensor | None:
         return None
     if any(t.is_nested for t in (q, k, v)) or not any(t.requires_grad for t in (q, k, v)):
         return None
-    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
-        return None  # broadcast or grouped-query attention: left as it is
+    if k.shape[:-1] != v.shape[:-1] or q.dim() != k.dim():
+        return None
+    groups = 1
+    if q.shape[:-2] != k.shape[:-2] and bound.get("enable_gqa", False):
+        # grouped-query attention: query head h reads key head h // groups
+        heads, key_heads = q.shape[-3], k.shape[-3] if k.dim() > 2 else 0
+        if q.shape[:-3] != k.shape[:-3] or key_heads == 0 or heads % key_heads:
+            return None
+        groups = heads // key_heads
+    elif q.shape[:-2] != k.shape[:-2]:  # keys broadcast along one leading axis of size
+        # one (multi-query attention with one key head): others are left as they are
+        ones = [i for i, (a, b) in enumerate(zip(q.shape[:-2], k.shape[:-2], strict=True))
+                if a != b]  # fmt: skip
+        if len(ones) != 1 or k.shape[ones[0]] != 1:
+            return None
     if q.shape[-1] != k.shape[-1] or not q.dtype.is_floating_point:
         return None
     if float(bound.get("dropout_p", 0.0)) != 0.0:
@@ -204,7 +425,7 @@ def fold_attention(args: tuple, kwargs: dict) -> Tensor | None:
         except RuntimeError:
             return None
     scale = bound.get("scale")
-    return _FoldedAttention.apply(q, k, v, mask, causal, scale)
+    return _FoldedAttention.apply(q, k, v, mask, causal, scale, groups)
 
 
 def unchecked(function: types.FunctionType) -> types.FunctionType | None:

@@ -421,17 +421,17 @@ class ConvRule(LayerRule):
 
     def backprop(self, ctx, grads):
         module, x = ctx.module, ctx.x
-        if module.padding_mode != "zeros":
-            return self._backprop_padded(ctx, grads)
-        if isinstance(module.padding, str):
-            return None
         dims = x.dim() - 2
+        pairs = explicit_padding(module, dims)  # "same" and "valid" resolved
+        if module.padding_mode != "zeros" or any(a != b for a, b in pairs):
+            # padded with values, or "same" with an even kernel (one more on the right)
+            return self._backprop_padded(ctx, grads)
         v, n = grads.shape[:2]
         folded = grads.reshape(v * n, *grads.shape[2:])
-        kernel, stride, padding, dilation = (
-            as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.padding,
-                                      module.dilation)
-        )  # fmt: skip
+        kernel, stride, dilation = (
+            as_tuple(t, dims) for t in (module.kernel_size, module.stride, module.dilation)
+        )
+        padding = tuple(a for a, _ in pairs)
         weight = module.weight.detach()
         positions = math.prod(grads.shape[3:])
         if (
@@ -488,11 +488,13 @@ class ConvRule(LayerRule):
 
     @staticmethod
     def _backprop_padded(ctx: RuleContext, grads: Tensor) -> Tensor:
-        """Padded with values (``reflect``, ``replicate``, ``circular``): all columns.
+        """Padded with values, or with zeros unevenly: all columns at once.
 
-        The convolution's input gradient on the padded map, then the pad's backward,
-        each once on ``V * N`` samples; autograd's own backward of the layer ran per
-        column (torch's batching has no rule for either kernel).
+        Values: ``reflect``, ``replicate``, ``circular``; zeros unevenly:
+        ``padding="same"`` with a kernel of even length. The convolution's input
+        gradient on the padded map, then the pad's backward, each once on ``V * N``
+        samples; autograd's own backward of the layer ran per column (torch's batching
+        has no rule for either kernel).
         """
         module, x = ctx.module, ctx.x
         dims = x.dim() - 2
@@ -509,7 +511,8 @@ class ConvRule(LayerRule):
             [True, False, False],
         )[0]  # fmt: skip
         pad = [p for pair in reversed(pairs) for p in pair]  # F.pad's order
-        back = pad_transposed(result, (v * n, *x.shape[1:]), pad, module.padding_mode)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        back = pad_transposed(result, (v * n, *x.shape[1:]), pad, mode)
         return back.reshape(v, n, *x.shape[1:])
 
     windowed = True

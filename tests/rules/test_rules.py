@@ -395,22 +395,27 @@ def test_convolutions_backpropagated_as_one_product_on_small_maps(
         assert folds
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 @pytest.mark.parametrize("kwargs", [{"num_chunks": 3}, {"max_memory": "64MiB"}])
-@pytest.mark.parametrize("padding", [1, "same", (2, 1)])
-@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("padding", [1, "same", (2, 1), "same-dilated", "valid"])
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "zeros"])
 def test_convolutions_padded_with_values_cross_all_columns_at_once(mode, padding, kwargs):
-    """A layer padded with values backpropagates on all columns, exactly.
+    """A layer padded with values or ``"same"``/``"valid"`` backpropagates on all columns.
 
     Its input gradient was left to autograd, whose convolution and pad backward torch's
-    batching ran once per column (a ``SlowBackwardWarning``, about 4x slower).
+    batching ran once per column (a ``SlowBackwardWarning``, about 4x slower). With
+    zeros and a kernel of even length, ``"same"`` pads one more on the right.
     """
     import warnings
 
     torch.manual_seed(0)
-    kernel = (3, 2) if padding == "same" else 3
-    model = nn.Sequential(
-        nn.Conv2d(2, 3, kernel, padding=padding, padding_mode=mode), nn.Tanh(),
-        nn.Conv2d(3, 2, 3, padding=1, padding_mode=mode, stride=2),
+    kernel = (3, 2) if str(padding).startswith("same") else 3
+    dilation = 2 if padding == "same-dilated" else 1
+    padding = "same" if padding == "same-dilated" else padding
+    model = nn.Sequential(  # the layer under test between two (its input gradient)
+        nn.Conv2d(2, 3, 3, padding=1, padding_mode=mode), nn.Tanh(),
+        nn.Conv2d(3, 3, kernel, padding=padding, padding_mode=mode, dilation=dilation),
+        nn.Tanh(), nn.Conv2d(3, 2, 3, padding=1, padding_mode=mode, stride=2),
     ).double()  # fmt: skip
     x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
     targets = torch.randn_like(model(x))
