@@ -38,7 +38,7 @@ from torch import Tensor
 from ggnchunk._autograd import Gather, batched_grad, blocked, plain_grad, scatter_rows
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
-from ggnchunk._windows import Windowed, dense
+from ggnchunk._windows import Windowed, dense, mix
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggnchunk._engine import Problem
@@ -245,6 +245,16 @@ class Quantity:
             grads: The vectors at its start.
         """
 
+    def glue_block(self, recording: Recording, source: _Source, block: Windowed) -> None:
+        """:meth:`glue` for a windowed block with fields (by default on its dense form).
+
+        Args:
+            recording: The recording.
+            source: The glue region.
+            block: The vectors at its start.
+        """
+        self.glue(recording, source, block.dense())
+
     def end(self, recording: Recording) -> None:
         """The sweep finished.
 
@@ -405,6 +415,50 @@ class _Products(Quantity):
         return {}
 
     def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
+        self._glue_products(recording, source, grads, self._buffers)
+
+    def glue_block(self, recording: Recording, source: _Source, block: Windowed) -> None:
+        """The glue's products of a block's windowed part, plus its fields' (kept).
+
+        The products are linear in the vectors: those of ``dense(data) + sum_k
+        coeffs[v, n, k] fields[k, n]`` are the windowed part's plus the coefficients
+        times the fields' own, which are the same in every sweep of the forward pass
+        (kept in :attr:`~ggnchunk._graph.Recording.images`). The windowed part is zero
+        off its boxes, so its columns cross the glue's attention on their boxes' rows
+        only (:mod:`ggnchunk._attention`); made dense, every column reached every row.
+        """
+        key = recording.images.key("glue-params", source.key, block=block)
+        fields = block.fields
+        n = max(block.data.shape[1], fields.shape[1])
+
+        def make() -> dict[int, Tensor]:
+            products: dict[int, Tensor] = {}
+            whole = fields.expand(fields.shape[0], n, *fields.shape[2:])
+            self._glue_products(recording, source, whole, products)
+            return products
+
+        products = recording.images.get(key, make)
+        part = block.windowed_part().dense()
+        self._glue_products(recording, source, part, self._buffers)
+        coeffs = block.coeffs.expand(block.coeffs.shape[0], n, block.coeffs.shape[2])
+        for i, value in products.items():  # [K, N, *param]
+            if i in self._buffers:
+                mix(coeffs, value, into=self._buffers[i])
+            else:
+                self._buffers[i] = mix(coeffs, value)
+
+    @staticmethod
+    def _glue_products(
+        recording: Recording, source: _Source, grads: Tensor, buffers: dict[int, Tensor]
+    ) -> None:
+        """Per-(column, sample) products ``[V, N, *param]`` of a glue's parameters.
+
+        Args:
+            recording: The recording.
+            source: The glue region.
+            grads: ``[V, N, ...]`` vectors at its start.
+            buffers: Where they are added, by parameter index.
+        """
         v, n = grads.shape[:2]
         # a parameter read only by embedding lookups: the gradients at the lookups'
         # outputs, added into rows here (torch's vmap loops over embedding_backward)
@@ -413,7 +467,6 @@ class _Products(Quantity):
             wanted += [(i, g) for g in source.gathers.get(i, [None])]
         inputs = [recording.params[i] if g is None else g.edge for i, g in wanted]
         masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
-        buffers = self._buffers
         for sample in range(n):
             masked[:, sample] = grads[:, sample]
             with blocked(source.frontier):

@@ -174,7 +174,8 @@ class MemoryBound(Traversal):
 
         Fields made by the calls after a place can reach it (``K`` of them, each a map
         per sample): their images at every call's input and output (after glue and
-        where blocks meet), at glue sources, and their per-sample parameter products.
+        where blocks meet), at glue sources (with their products with the glue's
+        parameters), and their per-sample parameter products.
         An estimate to reserve: the cache never holds more than it was given.
 
         Args:
@@ -194,7 +195,10 @@ class MemoryBound(Traversal):
             reaching[call.index] = after
         for source in self._sources.values():
             if not source.direct and source.key != self.output_key:
-                total += reaching.get(source.last_consumer, 0) * source.numel
+                # the fields' images there, and their products with the glue's
+                # parameters (:meth:`~ggnchunk._quantities.Quantity.glue_block`)
+                params = sum(self._params[i].numel() for i in source.params)
+                total += reaching.get(source.last_consumer, 0) * (source.numel + params)
         return total * self._batch * element
 
 

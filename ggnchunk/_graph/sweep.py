@@ -85,7 +85,10 @@ class Sweeps(Traversal):
                 found = list(zip(source.frontier, results, strict=True))
             if source.params:
                 with noting(self._note(source)):
-                    quantity.glue(self, source, dense(grads))
+                    if isinstance(grads, Windowed) and grads.has_fields:
+                        quantity.glue_block(self, source, grads)
+                    else:
+                        quantity.glue(self, source, dense(grads))
             return found
 
         windows = isinstance(seed, Windowed)

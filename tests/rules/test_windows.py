@@ -130,6 +130,40 @@ class AttentionBottleneck(nn.Module):
         return self.head(torch.cat([F.relu(self.up(h)), x], dim=1))
 
 
+class NormedAttentionUNet(nn.Module):
+    """``nn.MultiheadAttention`` at a bottleneck between GroupNorms (issue 19's U-Net).
+
+    The attention's projections are parameters used functionally (glue), and the
+    blocks reach them with fields (the GroupNorms after it in the forward pass): the
+    glue's products are the windowed part's (on their boxes' rows in the attention)
+    plus the fields' (made once per forward pass).
+    """
+
+    def __init__(self, channels: int = 2, width: int = 4):
+        super().__init__()
+        self.enc = nn.Conv2d(channels, width, 3, padding=1)
+        self.norm0 = nn.GroupNorm(2, width)
+        self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.norm_attn = nn.GroupNorm(2, width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mid = nn.Conv2d(width, width, 3, padding=1)
+        self.norm_mid = nn.GroupNorm(2, width)
+        self.dec = nn.Conv2d(2 * width, width, 3, padding=1)
+        self.norm_dec = nn.GroupNorm(1, width)
+        self.head = nn.Conv2d(width, channels, 1)
+
+    def forward(self, x):
+        h = F.silu(self.norm0(self.enc(x)))
+        b = self.down(h)
+        n, c, hh, ww = b.shape
+        tokens = self.norm_attn(b).flatten(2).transpose(1, 2)
+        att = self.attn(tokens, tokens, tokens, need_weights=False)[0]
+        b = b + att.transpose(1, 2).reshape(n, c, hh, ww)
+        b = F.silu(self.norm_mid(self.mid(b)))
+        u = F.interpolate(b, scale_factor=2, mode="nearest")
+        return self.head(F.silu(self.norm_dec(self.dec(torch.cat([u, h], dim=1)))))
+
+
 class FunctionalUNet(nn.Module):
     """Glue written as functions, as diffusers' blocks do: crossed on the boxes.
 
@@ -498,6 +532,7 @@ MODELS = {
     # mirrored back and averaged; a flip of rows between layers
     "flips": lambda: Mirrored(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
+    "normed-attention-unet": lambda: NormedAttentionUNet(),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
     # a norm over positions after grouped, dilated transposed convolutions: the blocks
@@ -527,6 +562,7 @@ SHAPES = {
     "flips": (2, 12, 11),
     "max-pools": (2, 12, 12),
     "bilinear-modules": (2, 12, 12),
+    "normed-attention-unet": (2, 12, 12),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
@@ -713,7 +749,10 @@ def test_both_forms_of_windowed_weight_products(
     assert any(windows_everywhere), "no pass carried its columns on boxes"
 
 
-@pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "outpad-ae", "reflect"])
+@pytest.mark.parametrize(
+    "name",
+    ["skips-groupnorm-avg-nearest", "outpad-ae", "reflect", "normed-attention-unet"],
+)
 def test_windowed_equals_dense_path(name, monkeypatch):
     """The same call with the switch off gives the same numbers (float64 rounding)."""
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
@@ -1714,3 +1753,46 @@ def test_random_functional_glue(seed, windows_everywhere):
         got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, targets, **kwargs)
         assert_diag_close(got, expected, rtol=1e-9, label=f"{model.ops} {kwargs}")
     assert any(windows_everywhere), "no pass carried its columns on boxes"
+
+
+def test_glue_parameters_take_the_windowed_part_and_the_fields_apart(
+    windows_everywhere, monkeypatch
+):
+    """The attention's projections (glue): columns on their rows, fields' products kept.
+
+    Each sweep's glue products are the windowed part's, whose columns cross the
+    attention on their boxes' rows only, plus the fields' products, made in the first
+    pass and reused; the diagonal is the brute force's.
+    """
+    from ggnchunk import _attention, _quantities
+
+    blocks, widths, products = [], [], []
+    glue_block, on_rows = _quantities._Products.glue_block, _attention._on_rows
+    get = _windows.FieldCache.get
+
+    def spy_block(self, recording, source, block):
+        blocks.append(block.coeffs.shape[2])
+        return glue_block(self, recording, source, block)
+
+    def spy_rows(g, rows, *args):
+        widths.append(None if rows is None else rows.shape[1])
+        return on_rows(g, rows, *args)
+
+    def spy_get(self, key, make):
+        if key is not None and key[0] == "glue-params":
+            products.append("reused" if key in self._images else "made")
+        return get(self, key, make)
+
+    monkeypatch.setattr(_quantities._Products, "glue_block", spy_block)
+    monkeypatch.setattr(_attention, "_on_rows", spy_rows)
+    monkeypatch.setattr(_windows.FieldCache, "get", spy_get)
+    model, loss_func, x, targets = _problem("normed-attention-unet", "mse")
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=4)
+    assert_diag_close(actual, _expected("normed-attention-unet", "mse"), rtol=1e-9)
+    assert len(blocks) == 4 and all(k > 0 for k in blocks)  # every pass, with fields
+    assert products == ["made"] + ["reused"] * 3  # the fields' products: once
+    tokens = (SHAPES["normed-attention-unet"][1] // 2) ** 2
+    # in each pass the windowed part's columns crossed the attention on their rows, in
+    # the region's crossing and in the glue's products (once per sample)
+    rows = [w for w in widths if w is not None and w <= tokens // 2]
+    assert len(rows) >= 4 * (1 + N), widths
