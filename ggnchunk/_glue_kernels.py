@@ -426,20 +426,26 @@ def scatter_to_argmax(
 
 
 class _Rows(_Spec):
-    """``x[index]`` (rows of the first axis): the columns are added back at their rows."""
+    """``x[index]`` or ``x[:, ..., index]``: the columns added back at their rows.
+
+    The rows of one axis (``axis``) gathered by an integer tensor.
+    """
 
     def call(self, x):
-        return x[self.args["index"]]
+        axis = self.args["axis"]
+        return x[(slice(None),) * axis + (self.args["index"],)]
 
     def workspace(self, in_shape, out_shape):
         return 0
 
     def transposed(self, ctx, grads, saved):
-        shape = ctx.in_shape
-        index = self.args["index"].reshape(-1).to(torch.int64) % shape[0]
-        flat = grads.reshape(grads.shape[0], index.numel(), *shape[1:])
+        shape, axis = ctx.in_shape, self.args["axis"]
+        index = self.args["index"].reshape(-1).to(torch.int64) % shape[axis]
+        flat = grads.reshape(
+            grads.shape[0], *shape[:axis], index.numel(), *shape[axis + 1 :]
+        )
         result = flat.new_zeros(grads.shape[0], *shape)
-        return result.index_add(1, index, flat)
+        return result.index_add(1 + axis, index, flat)
 
 
 class _Softmax(_Spec):
@@ -921,15 +927,26 @@ def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
 
 
 def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
-    """``table[index]`` with one integer tensor: rows gathered (a parameter's, mostly)."""
+    """``table[index]`` or ``table[:, index]``: rows of one axis gathered.
+
+    By one integer tensor; the table is a parameter, mostly: an embedding table, a
+    relative-position bias read as ``biases[:, idxs]`` by timm's LeViT and
+    EfficientFormer.
+    """
     if len(args) != 2 or kwargs:
         return None
     x, index = args
+    axis = 0
+    if isinstance(index, tuple):  # whole slices of the leading axes, then the index
+        full = slice(None)
+        if not index or any(not (isinstance(i, slice) and i == full) for i in index[:-1]):
+            return None
+        axis, index = len(index) - 1, index[-1]
     if type(index) is not Tensor or index.dtype not in (torch.int64, torch.int32):
         return None
-    if not _foldable(x) or x.dim() == 0 or index.requires_grad or index.is_nested:
+    if not _foldable(x) or x.dim() <= axis or index.requires_grad or index.is_nested:
         return None
-    return _on(_Rows(Tensor.__getitem__, {"index": index}), x)
+    return _on(_Rows(Tensor.__getitem__, {"index": index, "axis": axis}), x)
 
 
 def _axes(dims: Any, rank: int) -> list[int] | None:

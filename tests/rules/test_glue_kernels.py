@@ -100,6 +100,9 @@ CALLS = {
     "pixel-shuffle-unbatched": ((9, 2, 3), nn.PixelShuffle(3)),
     "rows-of-a-table": ((10, 3), lambda x: x[torch.tensor([[1, 0], [9, -1], [1, 1]])]),
     "rows-int32": ((6, 2, 2), lambda x: x[torch.tensor([5, 0, 5], dtype=torch.int32)]),
+    # timm's LeViT and EfficientFormer: a relative-position bias read as biases[:, idxs]
+    "rows-of-axis-1": ((3, 7), lambda x: x[:, torch.tensor([[1, 0, 6], [6, -1, 1]])]),
+    "rows-of-axis-2": ((2, 3, 5, 2), lambda x: x[:, :, torch.tensor([4, 0, 4, 2])]),
     "masked-fill": (
         (2, 3, 4, 4),
         lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
