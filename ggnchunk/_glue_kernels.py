@@ -937,16 +937,44 @@ def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
         return None
     x, index = args
     axis = 0
-    if isinstance(index, tuple):  # whole slices of the leading axes, then the index
-        full = slice(None)
-        if not index or any(not (isinstance(i, slice) and i == full) for i in index[:-1]):
-            return None
-        axis, index = len(index) - 1, index[-1]
+    if isinstance(index, tuple):  # whole slices (and at most one ``...``) around one
+        # index: x[:, idx], x[..., [-2], :] (Falcon's fused query, key and value heads)
+        axis, index = _index_axis(index, getattr(x, "ndim", 0))
+    if (
+        isinstance(index, list) and index and all(type(i) is int for i in index)
+    ):  # a list of integers indexes as the tensor of them
+        index = torch.tensor(index, dtype=torch.int64, device=x.device)
     if type(index) is not Tensor or index.dtype not in (torch.int64, torch.int32):
         return None
     if not _foldable(x) or x.dim() <= axis or index.requires_grad or index.is_nested:
         return None
     return _on(_Rows(Tensor.__getitem__, {"index": index, "axis": axis}), x)
+
+
+def _index_axis(entries: tuple, rank: int) -> tuple[int, Any]:
+    """The axis of the one index among whole slices and at most one ``...``.
+
+    Args:
+        entries: The subscript's entries.
+        rank: The indexed tensor's number of axes.
+
+    Returns:
+        ``(axis, index)``, or ``(0, None)`` where the subscript is anything else.
+    """
+    full = slice(None)
+    plain = [
+        i for i, e in enumerate(entries)
+        if not (e is Ellipsis or (isinstance(e, slice) and e == full))
+    ]  # fmt: skip
+    ellipses = [i for i, e in enumerate(entries) if e is Ellipsis]
+    if len(plain) != 1 or len(ellipses) > 1:
+        return 0, None
+    where = plain[0]
+    # after an ellipsis the axis is counted from the end
+    axis = rank - (len(entries) - where) if ellipses and ellipses[0] < where else where
+    if not 0 <= axis < rank:
+        return 0, None
+    return axis, entries[where]
 
 
 def _axes(dims: Any, rank: int) -> list[int] | None:

@@ -103,6 +103,10 @@ CALLS = {
     # timm's LeViT and EfficientFormer: a relative-position bias read as biases[:, idxs]
     "rows-of-axis-1": ((3, 7), lambda x: x[:, torch.tensor([[1, 0, 6], [6, -1, 1]])]),
     "rows-of-axis-2": ((2, 3, 5, 2), lambda x: x[:, :, torch.tensor([4, 0, 4, 2])]),
+    # Falcon's fused heads: a list index between an ellipsis and a whole slice
+    "rows-list-after-ellipsis": ((2, 3, 6, 2), lambda x: x[..., [-2], :]),
+    "rows-before-ellipsis": ((2, 5, 3, 2), lambda x: x[:, [4, 1, 1], ...]),
+    "rows-0d-index": ((2, 5, 3), lambda x: x[:, torch.tensor(3)]),
     "masked-fill": (
         (2, 3, 4, 4),
         lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
