@@ -117,7 +117,6 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self._thread:
             return None  # another thread's forward: neither recorded nor popped
-        layer_entered()  # its inner calls are the rule's, not glue to fold
         stack = self._pending.setdefault(id(module), [])
         if not torch.is_grad_enabled():
             stack.append(None)
@@ -130,8 +129,11 @@ class Recording(Sweeps, MemoryBound, Checks):
             stack.append(None)
             return None
         if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch:
-            stack.append(None)  # not a per-sample call: the glue handles it
+            # not a per-sample call (a BatchNorm1d on tokens flattened into the batch
+            # axis, as timm's LeViT): the glue handles it, its inner calls folded
+            stack.append(None)
             return None
+        layer_entered()  # its inner calls are the rule's, not glue to fold
         if x.requires_grad:
             leaf = x.detach().requires_grad_()
             stack.append((leaf, edge_of(x), leaf._version))
@@ -144,11 +146,11 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
         if threading.get_ident() != self._thread:
             return None
-        layer_left()
         stack = self._pending.get(id(module))
         entry = stack.pop() if stack else None
         if entry is None:
             return None
+        layer_left()
         if not (isinstance(output, Tensor) and output.requires_grad):
             return None
         if output.dim() == 0 or output.shape[0] != self._batch:

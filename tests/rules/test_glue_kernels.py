@@ -638,3 +638,50 @@ def test_folded_weight_norm_matches_autograd(dim, needs):
         got = torch._weight_norm(v, g, dim)
     wanted = [t for t in (v, g) if t.requires_grad]
     _assert_folded_like_autograd(got, expected, wanted, columns=5)
+
+
+class _LinearNorm(nn.Module):
+    """timm's LeViT ``LinearNorm``: a BatchNorm1d on tokens flattened into the batch."""
+
+    def __init__(self, features_in: int, features_out: int):
+        super().__init__()
+        self.linear = nn.Linear(features_in, features_out, bias=False)
+        self.bn = nn.BatchNorm1d(features_out)
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class _LeViTStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = _LinearNorm(4, 6), nn.Hardswish(), _LinearNorm(6, 3)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x))).mean(1)
+
+
+@pytest.mark.parametrize("kwargs", CHUNKINGS, ids=str)
+def test_a_layer_called_on_more_rows_than_samples_is_glue_with_folded_calls(kwargs):
+    """A norm on ``[N * T, C]`` is no per-sample layer: its ``F.batch_norm`` is folded.
+
+    It used to count as inside a layer, so its call stayed torch's and its backward ran
+    once per column (``native_batch_norm_backward``).
+    """
+    torch.manual_seed(0)
+    model = _LeViTStyle().double().eval()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm1d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+            with torch.no_grad():
+                module.weight.normal_()
+                module.bias.normal_()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y, **kwargs)
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    assert_diag_close(got, expected, rtol=1e-10)
