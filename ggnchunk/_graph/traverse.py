@@ -102,20 +102,25 @@ class Traversal:
         push(self.output_key, seed, fresh=False)  # the caller's
         for call in reversed(self.calls):
             value = outs.pop(edge_key(call.out_edge), None)
-            if value is None:
-                continue
-            if visit is not None:
-                visit(f"the output of {_display(call.name)}", value)
-            back = layer(call, value)
-            del value
-            if back is None:
-                continue
+            back = None
+            if value is not None:
+                if visit is not None:
+                    visit(f"the output of {_display(call.name)}", value)
+                back = layer(call, value)
+                del value
+            if call.source is None:
+                continue  # nothing of the layer's input needs vectors
             key = edge_key(call.source)
-            # a result of ggnchunk's own rules: nothing else holds it (a registered
-            # rule may return a tensor it keeps)
-            add(srcs, key, back, fresh=type(call.rule).__module__.startswith("ggnchunk."))
-            del back
-            if self._sources[key].last_consumer == call.index:
+            if back is not None:
+                # a result of ggnchunk's own rules: nothing else holds it (a registered
+                # rule may return a tensor it keeps)
+                fresh = type(call.rule).__module__.startswith("ggnchunk.")
+                add(srcs, key, back, fresh=fresh)
+                del back
+            # the source's last consumer: its region is crossed now, also where this
+            # call got nothing (its output unused, as a feature computed and dropped)
+            # and the vectors waiting there came from the source's other consumers
+            if self._sources[key].last_consumer == call.index and key in srcs:
                 pending = srcs.pop(key)
                 if visit is not None:
                     visit(f"the input of {_display(call.name)}", pending)
