@@ -104,28 +104,35 @@ class _FoldedAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
         if need_mask:  # a learned bias (relative positions) needs every column's dS
             dq, dk, dv, dmask = _per_column(ctx, q, k, v, mask, grad, p, q3, k3, v3)
-            dk = None if dk is None else _grouped(dk[None], 1, key_shapes[0], ctx.groups)[0]
-            dv = None if dv is None else _grouped(dv[None], 1, key_shapes[1], ctx.groups)[0]
+            dk = (
+                None
+                if dk is None
+                else _grouped(dk[None], 1, key_shapes[0], ctx.groups, lead)[0]
+            )
+            dv = (
+                None
+                if dv is None
+                else _grouped(dv[None], 1, key_shapes[1], ctx.groups, lead)[0]
+            )
             return dq, dk, dv, dmask, None, None, None
         o = torch.bmm(p, v3)  # O = P V (not per column): the rows' sums of P * dP
-        dims = (length, keys, dim, dim_v)
         scaled = (q3 * ctx.scale, k3 * ctx.scale)
         needs = (need_q, need_k, need_v)
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
-            dq, dk, dv = _columns_backward(g, p, o, scaled, v3, dims, needs)
+            dq, dk, dv = _columns_backward(g, p, o, scaled, v3, needs)
             count = g.shape[0]
             return (
                 None if dq is None else dq.reshape(count, *q.shape),
-                _grouped(dk, count, key_shapes[0], ctx.groups),
-                _grouped(dv, count, key_shapes[1], ctx.groups),
+                _grouped(dk, count, key_shapes[0], ctx.groups, lead),
+                _grouped(dv, count, key_shapes[1], ctx.groups, lead),
             )
 
         return (*on_columns([grad], backward), None, None, None, None)
 
 
 def _grouped(
-    grads: Tensor | None, count: int, shape: torch.Size, groups: int
+    grads: Tensor | None, count: int, shape: torch.Size, groups: int, lead: torch.Size
 ) -> Tensor | None:
     """Keys' or values' gradients ``[V, ...]`` on the query heads, summed per key head.
 
@@ -135,6 +142,7 @@ def _grouped(
         count: ``V``.
         shape: The keys' (or values') own shape ``[..., Hk, S, D]``.
         groups: Query heads per key head (1: none, or broadcast keys).
+        lead: The queries' leading axes.
 
     Returns:
         ``[V, *shape]``, or ``None``.
@@ -145,26 +153,8 @@ def _grouped(
         heads = shape[-3]
         grads = grads.reshape(count, *shape[:-3], heads, groups, *shape[-2:])
         return grads.sum(-3)
-    grads = grads.reshape(count, -1, *shape[-2:])  # broadcast keys: summed over the
-    lead = grads.shape[1]  # query axes they were expanded along
-    if lead == math.prod(shape[:-2]):
-        return grads.reshape(count, *shape)
-    return grads.reshape(count, *_expanded_lead(shape, lead), *shape[-2:]).sum(
-        tuple(1 + i for i, n in enumerate(shape[:-2]) if n == 1), keepdim=True
-    ).reshape(count, *shape)  # fmt: skip
-
-
-def _expanded_lead(shape: torch.Size, lead: int) -> tuple[int, ...]:
-    """The queries' leading axes that keys of ``shape`` were broadcast to (``lead`` in all).
-
-    Only the axes of size one in ``shape`` were expanded; their common size is what
-    the others leave (one such axis, as the fold allows).
-    """
-    kept = math.prod(n for n in shape[:-2] if n != 1)
-    ones = [i for i, n in enumerate(shape[:-2]) if n == 1]
-    sizes = list(shape[:-2])
-    sizes[ones[0]] = lead // kept
-    return tuple(sizes)
+    # broadcast keys: summed over the query axes they were expanded along
+    return _summed_to(grads.reshape(count, *lead, *shape[-2:]), (count, *shape))
 
 
 def _per_column(
@@ -199,7 +189,7 @@ take the rows' form (:func:`_columns_backward`)."""
 
 def _columns_backward(
     grad: Tensor, p: Tensor, o: Tensor, scaled: tuple[Tensor, Tensor], v3: Tensor,
-    dims: tuple[int, int, int, int], needs: tuple[bool, bool, bool],
+    needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
     """The backward of all columns ``[V, *lead, L, Dv]`` at once.
 
@@ -218,15 +208,13 @@ def _columns_backward(
         o: ``[B, L, Dv]``, ``P V``.
         scaled: ``Q`` and ``K`` as ``[B, L, D]``, ``[B, S, D]``, times the scale.
         v3: ``[B, S, Dv]``.
-        dims: ``(L, S, D, Dv)``.
         needs: Which of ``dQ``, ``dK``, ``dV`` to make.
 
     Returns:
         ``dQ`` ``[V, B, L, D]``, ``dK`` ``[V, B, S, D]``, ``dV`` ``[V, B, S, Dv]``
         (``None`` where not needed).
     """
-    length, _, _, dim_v = dims
-    count, b = grad.shape[0], p.shape[0]
+    count, (b, length), dim_v = grad.shape[0], p.shape[:2], v3.shape[-1]
     g = grad.reshape(count, b, length, dim_v)
     if is_batched(g):  # a batching this backward cannot unwrap: no data-dependent sizes
         return _on_rows(g, None, p, o, scaled, v3, needs)
@@ -272,7 +260,7 @@ def _on_rows(
         width = length
         gr = g.transpose(0, 1)  # [B, V, L, Dv]
         pr = p.unsqueeze(1)  # [B, 1, L, S]
-        orow, qr = o.unsqueeze(1), q3.unsqueeze(1)
+        orow = o.unsqueeze(1)
     else:
         width = rows.shape[1]
         gr = g.gather(2, rows[:, None, :, None].expand(count, b, width, dim_v))
