@@ -341,7 +341,7 @@ def reflect_generator(scale: int = 1) -> Problem:
         nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
         nn.ReflectionPad2d(3), nn.Conv2d(8, 3, 7), nn.Tanh(),
     )  # fmt: skip
-    x = torch.randn(2 * scale, 3, 32, 32)
+    x = torch.randn(2 * scale, 3, 24, 24)
     return model, nn.MSELoss(), x, torch.randn_like(x)
 
 
@@ -385,7 +385,44 @@ def cyclegan_generator(scale: int = 1) -> Problem:
     return model, nn.MSELoss(), x, torch.randn_like(x)
 
 
+class _AttentionSR(nn.Module):
+    """×2 super-resolution with ``nn.MultiheadAttention`` over the pixels.
+
+    Conv, GroupNorm, the attention with its default ``need_weights=True`` (eager softmax
+    of ``q kᵀ``, not ``scaled_dot_product_attention``), conv, ``PixelShuffle``.
+    """
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.head = nn.Conv2d(3, width, 3, padding=1)
+        self.norm = nn.GroupNorm(2, width)
+        self.attn = nn.MultiheadAttention(width, 2)
+        self.body = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.LeakyReLU(0.1))
+        self.tail = nn.Conv2d(width, 12, 3, padding=1)
+        self.shuffle = nn.PixelShuffle(2)
+
+    def forward(self, x):
+        h = self.head(x)
+        n, c, height, width = h.shape
+        tokens = self.norm(h).flatten(2).permute(2, 0, 1)  # [L, N, C]
+        a = self.attn(tokens, tokens, tokens)[0].permute(1, 2, 0)
+        h = h + a.reshape(n, c, height, width)
+        return self.shuffle(self.tail(self.body(h)))
+
+
+def attention_sr(scale: int = 1) -> Problem:
+    """:class:`_AttentionSR` from ``[2, 3, 12, 12]`` to ``[2, 3, 24, 24]``, MSE.
+
+    Its eager attention's ``[N·heads, 144, 144]`` scores per column live inside the
+    glue, 40× the vectors at the glue's ends: a memory bound that counted the ends
+    alone planned 2× its budget.
+    """
+    x = torch.randn(2 * scale, 3, 12, 12)
+    return _AttentionSR(), nn.MSELoss(), x, torch.randn(2 * scale, 3, 24, 24)
+
+
 PROBLEMS.update(
+    attention_sr=attention_sr,
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
     gpt_eager=gpt_eager, reflect_generator=reflect_generator,
     cyclegan_generator=cyclegan_generator,

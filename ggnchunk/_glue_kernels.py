@@ -1,4 +1,4 @@
-r"""Pads, pooling, shuffles, flips, masks, gathers, softmax, convolutions in glue, batched.
+r"""Pads, pooling, shuffles, masks, gathers, softmax, convolutions, products in the glue.
 
 torch's batching (``torch.autograd.grad(..., is_grads_batched=True)``) has no rule for
 the backward kernels of ``F.pad`` (every mode), max and average pooling (also adaptive),
@@ -29,7 +29,11 @@ folded into the kernels' batch axis:
   input's products as one ``convolution_backward`` on ``V * N`` samples, the weight's as
   one with ``V * Cout`` output channels (the samples summed, as autograd sums them);
 - **weight norm** (``torch._weight_norm``, weight-normed layers): its two products in
-  closed form on the columns (:class:`_WeightNorm`).
+  closed form on the columns (:class:`_WeightNorm`);
+- **matrix products** (``bmm``, ``matmul``, ``@``, ``baddbmm``: eager attention's
+  ``softmax(q kᵀ) v``): torch batches them, but copies each column's ``[L, S]`` map
+  whole for a transposed operand; here each side's product is one ``matmul`` with the
+  columns folded where that copies less (:class:`_Product`).
 
 On the CPU (``benchmarks/results/glue-kernels-*``) this is 1.4-2× faster than torch's
 loop per call for most of them. Layer, group and instance norms in the glue are left to
@@ -291,6 +295,99 @@ class _BatchNormEval(_Several):
         if needs[2]:
             db = grads.sum(sums[1:])
         return dx, dw, db
+
+
+class _Product(_Several):
+    r"""A matrix product ``a @ b`` (``bmm``, ``matmul``; ``baddbmm`` adds ``input``).
+
+    Eager attention's ``softmax(q kᵀ) v`` (``nn.MultiheadAttention`` with its default
+    ``need_weights=True``, attention written out): torch's batching of a product's
+    backward copies the columns' ``[L, S]`` maps whole (a transposed operand made
+    contiguous per column: about a quarter of such a pass's time, and two more maps per
+    column). Here :math:`\partial a = \alpha\, g\, b^\top` and
+    :math:`\partial b = \alpha\, a^\top g` (summed over the axes an operand was
+    broadcast along), :math:`\partial\,\mathrm{input} = \beta g`, each as one product
+    in which either the recorded operand is broadcast over the columns or the columns
+    are folded into the rows (columns) of the other side: whichever copies less.
+    """
+
+    def __init__(self, func: Callable[..., Any], alpha: float, beta: float, added: bool):
+        super().__init__()
+        self.func, self.alpha, self.beta, self.added = func, alpha, beta, added
+
+    def call(self, *tensors: Tensor | None) -> Tensor:
+        if self.added:
+            return self.func(*tensors, beta=self.beta, alpha=self.alpha)
+        return self.func(*tensors)
+
+    def kept(self, tensors):
+        *_, a, b = tensors  # each operand for the other's products only
+        return (a if b.requires_grad else None, b if a.requires_grad else None)
+
+    def workspace(self, tensors, out):
+        # per column: the larger of the two products' copies (a side or the columns)
+        *_, a, b = tensors
+        return out.numel() + max(a.numel(), b.numel())
+
+    def transposed(self, saved, shapes, grads, needs):
+        """Products at ``input`` (``baddbmm``), ``a`` and ``b``.
+
+        Columns at the output ``[V, *out.shape]``; see :meth:`_Several.transposed`.
+        """
+        a, b = (None if t is None else t.detach() for t in saved)
+        *first, a_shape, b_shape = shapes
+        *first_needs, need_a, need_b = needs
+        results: list[Tensor | None] = []
+        if self.added:
+            results.append(
+                _summed_to(_scaled(grads, self.beta), first[0]) if first_needs[0] else None
+            )
+        da = db = None
+        if need_a:
+            da = _summed_to(_scaled(_times_transposed(grads, b), self.alpha), a_shape)
+        if need_b:
+            db = _summed_to(_scaled(_transposed_times(a, grads), self.alpha), b_shape)
+        return (*results, da, db)
+
+
+def _scaled(values: Tensor, factor: float) -> Tensor:
+    return values if factor == 1 else values * factor
+
+
+def _times_transposed(g: Tensor, b: Tensor) -> Tensor:
+    """``g @ bᵀ`` for columns ``g`` ``[V, *batch, m, n]`` and one ``b`` ``[*, k, n]``."""
+    v, *batch, m, n = g.shape
+    k = b.shape[-2]
+    # broadcast b over the columns: torch copies it once per column (not at all for a
+    # matrix); or fold the columns into g's rows: one copy of g
+    if b.dim() == 2 or math.prod(batch) * k <= math.prod(batch) * m:
+        return torch.matmul(g, b.mT)
+    rows = g.movedim(0, -3).reshape(*batch, v * m, n)
+    return torch.matmul(rows, b.mT).reshape(*batch, v, m, k).movedim(-3, 0)
+
+
+def _transposed_times(a: Tensor, g: Tensor) -> Tensor:
+    """``aᵀ @ g`` for one ``a`` ``[*, m, k]`` and columns ``g`` ``[V, *batch, m, n]``."""
+    v, *batch, m, n = g.shape
+    k = a.shape[-1]
+    # broadcast a over the columns (a copy per column), or fold the columns into g's
+    # columns (one copy of g)
+    if k <= n:
+        return torch.matmul(a.mT, g)
+    cols = g.movedim(0, -1).reshape(*batch, m, n * v)
+    return torch.matmul(a.mT, cols).reshape(*batch, k, n, v).movedim(-1, 0)
+
+
+def _summed_to(values: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Columns ``[V, *broadcast]`` summed over the axes a ``shape`` operand took on."""
+    extra = values.dim() - 1 - len(shape)
+    if extra:
+        values = values.sum(tuple(range(1, 1 + extra)))
+    ones = tuple(
+        i + 1 for i, size in enumerate(shape) if size == 1 and values.shape[i + 1] != 1
+    )
+    values = values.sum(ones, keepdim=True) if ones else values
+    return values.reshape(values.shape[0], *shape)
 
 
 class _Spec:
@@ -926,6 +1023,37 @@ def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
     return spec
 
 
+def _product(func: Callable[..., Any]) -> Callable[[tuple, dict], _Product | None]:
+    added = func in (torch.baddbmm, Tensor.baddbmm)
+    names = ("input", "batch1", "batch2", "beta", "alpha") if added else ("input", "other")
+
+    def fold(args: tuple, kwargs: dict) -> _Product | None:
+        bound = _bind(names, args, kwargs)
+        if bound is None:
+            return None
+        first = bound.get("input") if added else None
+        a, b = (bound.get("batch1"), bound.get("batch2")) if added else (
+            bound.get("input"), bound.get("other")
+        )  # fmt: skip
+        tensors = (a, b) if first is None else (first, a, b)
+        if added and first is None:
+            return None
+        if not all(_plain(t) for t in tensors) or len({t.dtype for t in tensors}) != 1:
+            return None
+        if a.dim() < 2 or b.dim() < 2 or not (_foldable(a) or _foldable(b)):
+            return None
+        if added and (a.dim() != 3 or b.dim() != 3 or first.requires_grad):
+            return None  # baddbmm's input: a fixed bias or torch.empty (with beta=0)
+        scales = [bound.get("alpha", 1), bound.get("beta", 1)]
+        if not all(type(c) in (int, float) for c in scales):
+            return None
+        spec = _Product(func, float(scales[0]), float(scales[1]), added)
+        spec.tensors = tensors
+        return spec
+
+    return fold
+
+
 def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     """``table[index]`` or ``table[:, index]``: rows of one axis gathered.
 
@@ -1049,6 +1177,18 @@ FOLDERS: dict[Any, Callable[[tuple, dict], Any]] = {
     F.conv2d: _conv(2),
     F.conv3d: _conv(3),
     torch._weight_norm: _weight_norm,
+    **{
+        f: _product(f)
+        for f in (
+            torch.bmm,
+            Tensor.bmm,
+            torch.matmul,
+            Tensor.matmul,
+            Tensor.__matmul__,
+            torch.baddbmm,
+            Tensor.baddbmm,
+        )
+    },
 }
 """The glue calls folded, by the function torch's function mode sees."""
 

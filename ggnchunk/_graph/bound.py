@@ -34,7 +34,8 @@ class MemoryBound(Traversal):
         Runs the sweep's own traversal (:meth:`_traverse`) on sizes instead of tensors:
         which backpropagated vectors are alive at each step (waiting at layer outputs and
         glue sources, the current layer's and its rule's), plus autograd's buffers
-        inside the glue (bounded by twice the vectors at the glue's ends) and per-sample
+        inside the glue (twice the vectors at the glue's ends, or the largest node's
+        gradients in and out where more: an eager attention's scores) and per-sample
         products of shared parameters. The largest total, per column.
 
         With ``windowed`` (after a windowed sweep, :attr:`windowed_bound_ready`), the
@@ -93,10 +94,10 @@ class MemoryBound(Traversal):
                         buffers += source.numel + sum(
                             self._params[i].numel() for i in source.params
                         )
-                    settle(size + added + buffers)
+                    settle(size + added + max(buffers, source.inner))
                 return outs
             added = sum(call.out_numel for call in ends)
-            buffers = 2 * (size + added) + -(-source.workspace // n)
+            buffers = max(2 * (size + added), source.inner) + -(-source.workspace // n)
             if source.params:
                 buffers += size + sum(self._params[i].numel() for i in source.params)
             settle(size + added + buffers)

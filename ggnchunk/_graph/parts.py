@@ -53,6 +53,9 @@ class _Source:
     frontier: list[GradientEdge] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # parameter indices used in the glue
     workspace: int = 0  # elements per column its nodes allocate (folded attention)
+    # elements per column and sample of the largest node's gradients in and out (an
+    # eager attention's [L, S] scores inside the glue, far above its ends' vectors)
+    inner: int = 0
     # parameters read in the glue only by embedding lookups: their products are the
     # gradients at the lookups' outputs added into rows (batched over columns)
     gathers: dict[int, list[Gather]] = field(default_factory=dict)

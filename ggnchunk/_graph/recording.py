@@ -24,6 +24,8 @@ from ggnchunk._autograd import (
     first_global_forward_hook,
     gather_of,
     global_forward_hooks,
+    grad_shape,
+    output_count,
 )
 from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
@@ -305,12 +307,14 @@ class Recording(Sweeps, MemoryBound, Checks):
         gathers: dict[int, list[Gather]] = {}
         other: set[int] = set()  # parameters read by anything but an embedding lookup
         stack, seen = [node], set()
+        inner = 0
         while stack:
             current = stack.pop()
             if current is None or id(current) in seen:
                 continue
             seen.add(id(current))
             source.workspace += glue_workspace(current)
+            inner = max(inner, _gradients_numel(current))
             variable = accumulated_variable(current)
             if variable is not None:
                 if id(variable) in self._param_index:
@@ -335,6 +339,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 else:
                     gathers.setdefault(index, []).append(gather)
         source.frontier = list(frontier.values())
+        source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = {i: g for i, g in gathers.items() if i not in other}
 
@@ -342,3 +347,18 @@ class Recording(Sweeps, MemoryBound, Checks):
     def params(self) -> list[nn.Parameter]:
         """The trainable parameters, in ``named_parameters()`` order."""
         return self._params
+
+
+def _gradients_numel(node: Node) -> int:
+    """Elements a node's backward holds: the gradients it takes and makes, and a copy.
+
+    Batched over columns, a product with a transposed operand copies the largest of
+    them (measured on ``nn.MultiheadAttention``'s eager scores: about three ``[L, S]``
+    maps per column alive at its softmax and products). 0 where the node does not say.
+    """
+    taken = (grad_shape(node, i) for i in range(output_count(node)))
+    made = (
+        grad_shape(nxt, number) for nxt, number in node.next_functions if nxt is not None
+    )
+    sizes = [shape.numel() for shape in (*taken, *made) if shape is not None]
+    return sum(sizes) + max(sizes, default=0)

@@ -57,17 +57,23 @@ def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("scenario", ["warm", "after_large"])
-@pytest.mark.parametrize(("problem", "budget_mib"), [("unet", 24), ("time_unet_32", 64)])
+@pytest.mark.parametrize("scenario", ["set_up", "warm", "after_large"])
+@pytest.mark.parametrize(
+    ("problem", "budget_mib"), [("unet", 24), ("time_unet_32", 64), ("attention_sr", 32)]
+)
 def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(
     problem, budget_mib, scenario
 ):
     """U-Nets with GroupNorm: windowed passes carry fields (issue 19).
 
     ``time_unet_32``'s glue (a time embedding added to the maps, ``F.silu``,
-    ``F.interpolate``, attention) is crossed on the boxes. Not the first call in a fresh
-    process: the glue pays torch.func's set-up there (about 35 MiB of data, not only
-    code), which this measure counts (see the closing note of issue 19).
+    ``F.interpolate``, attention) is crossed on the boxes. ``attention_sr``'s eager
+    attention (``nn.MultiheadAttention``'s default ``need_weights=True``) keeps its
+    ``[L, L]`` scores per column inside the glue, 40x the vectors at the glue's ends: it
+    peaked at 40.3 MiB (``set_up``) before the bound counted the largest node's
+    gradients. The first call is measured with its one-time set-up paid before the
+    measure (``set_up``): a call pays it before its own baseline (torch.func's, about
+    35 MiB of data, not only code), where this measure would count it.
     """
     record = _run(problem, budget_mib, scenario)
     assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record

@@ -13,6 +13,7 @@ code) match the float64 brute force in every chunking mode and with a batch of o
 from __future__ import annotations
 
 import gc
+import math
 import re
 import warnings
 import weakref
@@ -20,7 +21,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import ggnchunk
 from ggnchunk._autograd import batched_grad
@@ -396,6 +397,51 @@ class EagerAttention(nn.Module):
         return self.out(h).log_softmax(-1)
 
 
+class MHAttention(nn.Module):
+    """``nn.MultiheadAttention`` with its default ``need_weights=True``, over pixels.
+
+    Eager ``bmm``, softmax, ``bmm`` (its projections are parameters used in the glue),
+    then a glue parameter used as ``tokens @ mix``.
+    """
+
+    def __init__(self, dim=8, classes=3):
+        super().__init__()
+        self.stem = nn.Conv2d(2, dim, 3, padding=1)
+        self.attn = nn.MultiheadAttention(dim, 2)
+        self.mix = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        tokens = self.stem(x).flatten(2).permute(2, 0, 1)  # [L, N, C]
+        h, weights = self.attn(tokens, tokens, tokens)
+        h = torch.tanh(h @ self.mix) + weights.mean(-1).t()[..., None]
+        return self.head(h.mean(0))
+
+
+class BaddbmmAttention(nn.Module):
+    """diffusers' ``Attention.get_attention_scores``, then a pixel-wise output.
+
+    ``baddbmm`` of an empty tensor with ``beta=0`` and ``alpha=scale``, softmax, ``bmm``.
+    """
+
+    def __init__(self, dim=6, heads=2):
+        super().__init__()
+        self.qkv = nn.Conv2d(3, 3 * dim, 1)
+        self.out = nn.Conv2d(dim, 3, 3, padding=1)
+        self.heads = heads
+
+    def forward(self, x):
+        n, _, height, width = x.shape
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # [N, C, L]
+        q, k, v = (z.reshape(n * self.heads, -1, height * width).mT for z in (q, k, v))
+        empty = torch.empty(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype)
+        scale = q.shape[-1] ** -0.5
+        scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=scale)
+        mixed = torch.bmm(scores.softmax(-1), v)  # [N * heads, L, C / heads]
+        mixed = mixed.mT.reshape(n, -1, height, width)
+        return self.out(torch.relu(mixed))
+
+
 class LayerNorm2d(nn.LayerNorm):
     """timm's ``LayerNorm2d``: ``nn.LayerNorm`` over channels of ``[N, C, H, W]``."""
 
@@ -481,6 +527,16 @@ def _eager_attention():
     return EagerAttention().double(), tokens, _TokenNLL(), torch.randint(0, 11, (2, 5))
 
 
+def _mh_attention():
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    return MHAttention().double(), x, nn.CrossEntropyLoss(), torch.tensor([0, 2, 1])
+
+
+def _baddbmm_attention():
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    return BaddbmmAttention().double(), x, nn.MSELoss(), torch.randn(2, 3, 5, 4).double()
+
+
 class _TokenNLL(nn.Module):
     """Per-token negative log-likelihood of log-probabilities ``[N, T, V]``."""
 
@@ -495,6 +551,8 @@ LEFT_TO_TORCH = {"native_layer_norm_backward", "native_batch_norm_backward"}
 MODELS = {
     "glue-net": _glue_net,
     "eager-attention": _eager_attention,
+    "multihead-attention-weights": _mh_attention,
+    "baddbmm-attention": _baddbmm_attention,
     "convnext-style": _convnext_style,
     "cyclegan-style": _cyclegan_style,
 }
@@ -532,6 +590,60 @@ def test_models_with_folded_glue_on_a_batch_of_one(name):
     per_sample = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)
     for name_, value in per_sample.items():
         torch.testing.assert_close(value[0], got[name_], rtol=1e-9, atol=1e-12)
+
+
+# name: (a's shape, b's shape, the call on (a, b)): matrix products in the glue, whose
+# backward torch's batching ran with the columns' maps copied whole
+FIXED = torch.randn(3, 4, 6, dtype=torch.float64)
+PRODUCTS = {
+    "bmm": ((3, 4, 5), (3, 5, 6), torch.bmm),
+    "bmm-method-wide": ((2, 7, 2), (2, 2, 7), Tensor.bmm),
+    "bmm-tall": ((2, 3, 9), (2, 9, 2), torch.bmm),
+    "matmul-4d": ((2, 3, 4, 5), (2, 3, 5, 6), lambda a, b: a @ b),
+    "matmul-broadcast": ((2, 1, 4, 5), (1, 3, 5, 6), torch.matmul),
+    "matmul-matrix-right": ((2, 3, 4, 5), (5, 6), lambda a, b: a @ b),
+    "matmul-matrix-left": ((4, 5), (2, 3, 5, 6), Tensor.matmul),
+    "matmul-matrices": ((4, 5), (5, 6), lambda a, b: a @ b),
+    "matmul-3d-4d-tall": ((3, 4, 8), (2, 3, 8, 2), lambda a, b: a @ b),
+    "baddbmm-scaled": ((3, 4, 5), (3, 5, 6),
+                       lambda a, b: torch.baddbmm(FIXED, a, b, alpha=0.3, beta=2)),
+    "baddbmm-broadcast-input": ((3, 4, 5), (3, 5, 6),
+                                lambda a, b: torch.baddbmm(FIXED[0, :1], a, b)),
+    "baddbmm-nan-input-beta-0": ((3, 4, 5), (3, 5, 6),
+                                 lambda a, b: FIXED.mul(math.nan).baddbmm(a, b, beta=0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("needs", ["both", "a-only", "b-only"])
+@pytest.mark.parametrize("name", PRODUCTS)
+def test_folded_matrix_products_match_autograd_at_both_operands(name, needs):
+    """All columns at once (no loop), equal to autograd's per column, at ``a`` and ``b``."""
+    a_shape, b_shape, call = PRODUCTS[name]
+    torch.manual_seed(0)
+    a = torch.randn(a_shape, dtype=torch.float64, requires_grad=needs != "b-only")
+    b = torch.randn(b_shape, dtype=torch.float64, requires_grad=needs != "a-only")
+    expected = call(a, b)
+    with folded_glue():
+        got = call(a, b)
+    wanted = [t for t in (a, b) if t.requires_grad]
+    _assert_folded_like_autograd(got, expected, wanted, columns=5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, b: a @ b[0, :, 0],  # a vector operand
+        lambda a, b: torch.baddbmm(a[..., :1], a, b),  # a bias that needs grad
+        lambda a, b: torch.matmul(a, b.detach()).detach(),  # nothing needs grad
+    ],
+)
+def test_products_torch_keeps(call):
+    """Vectors, a ``baddbmm`` bias that needs grad: torch's own node."""
+    a = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    with folded_glue():
+        got = call(a, b)
+    assert "Folded" not in type(got.grad_fn).__name__
 
 
 # name: (input shape, weight shape, with a bias, the call's options). A convolution in
