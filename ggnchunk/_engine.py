@@ -733,6 +733,11 @@ class GGNComputation:
                 "boxes after glue without a windowed form are read from values, which "
                 "the memory bound cannot count: a budgeted call runs dense passes"
             )
+        elif self._windows.choice is False and self._windows.remembered:
+            ends["every pass"] = (
+                "an earlier call on this problem measured the dense path faster (its "
+                "choice is remembered; ggnchunk.clear_autotune_cache() forgets it)"
+            )
         elif self._windows.choice is False:
             ends["every later pass"] = (
                 "the dense path was measured faster on this model's first passes"

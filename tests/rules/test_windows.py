@@ -1088,6 +1088,35 @@ def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
     assert any(w for _, w in parts) and any(not w for _, w in parts)
 
 
+def test_the_report_says_a_dense_choice_was_remembered(monkeypatch):
+    """A dense choice remembered from an earlier call's trial is reported as such.
+
+    The trial's own call says "every later pass"; a later call on the same problem,
+    none of whose passes is windowed, says the choice was remembered.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    monkeypatch.setattr(
+        _windows.Choice, "decide",
+        lambda self, windowed, dense: setattr(self, "choice", False)
+        or _windows._DECIDED.__setitem__(self.key, False),
+    )  # fmt: skip
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")
+    ggnchunk.clear_autotune_cache()
+    _, first = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, num_chunks=6, return_report=True
+    )
+    assert first.windowed and "every later pass" in first.window_ends, first.window_ends
+    actual, later = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, num_chunks=6, return_report=True
+    )
+    assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
+    assert not later.windowed
+    assert "remembered" in later.window_ends.get("every pass", ""), later.window_ends
+    ggnchunk.clear_autotune_cache()
+
+
 @pytest.mark.filterwarnings("ignore:ggnchunk. a chunk of")
 def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
     """A part that runs out of memory is retried in halves inside its chunk.
