@@ -33,7 +33,10 @@ folded into the kernels' batch axis:
 - **matrix products** (``bmm``, ``matmul``, ``@``, ``baddbmm``: eager attention's
   ``softmax(q kᵀ) v``): torch batches them, but copies each column's ``[L, S]`` map
   whole for a transposed operand; here each side's product is one ``matmul`` with the
-  columns folded where that copies less (:class:`_Product`).
+  columns folded where that copies less (:class:`_Product`);
+- **a learned 0-d scalar** times (or dividing) a map: its products as one
+  matrix-vector product over the columns (torch's batching ran the full sum to the
+  scalar once per column; :class:`_ByScalar`).
 
 On the CPU (``benchmarks/results/glue-kernels-*``) this is 1.4-2× faster than torch's
 loop per call for most of them. Layer, group and instance norms in the glue are left to
@@ -101,6 +104,7 @@ class _FoldedTensors(torch.autograd.Function):
     def forward(ctx, spec: _Several, *tensors: Tensor | None) -> Tensor:
         out = spec.call(*tensors)
         ctx.spec = spec
+        spec.recorded(ctx, tensors)
         ctx.shapes = [None if t is None else tuple(t.shape) for t in tensors]
         ctx.workspace = spec.workspace(tensors, out)
         ctx.save_for_backward(*spec.kept(tensors))
@@ -125,6 +129,9 @@ class _Several:
     def kept(self, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         """What the backward needs of the call's tensors (saved on the node)."""
         return tensors
+
+    def recorded(self, ctx: Any, tensors: tuple[Tensor | None, ...]) -> None:
+        """Note on the node what the torch node it stands for would have saved."""
 
     def workspace(self, tensors: tuple[Tensor | None, ...], out: Tensor) -> int:
         """Elements per column (all samples) the backward takes beyond its vectors."""
@@ -295,6 +302,50 @@ class _BatchNormEval(_Several):
         if needs[2]:
             db = grads.sum(sums[1:])
         return dx, dw, db
+
+
+class _ByScalar(_Several):
+    r"""``a * s``, ``s * a`` or ``a / s`` with ``s`` a 0-d tensor that needs grad.
+
+    A learned scalar in the glue (ReZero's ``h + alpha * f(h)``, a layer scale or a
+    temperature kept as a 0-d parameter): torch's batching has no rule for the full sum
+    that reduces the columns' products to its shape, so it ran that once per column.
+    Here :math:`\partial s = \langle g, a\rangle` (times :math:`-1/s^2` for a
+    quotient) as one matrix-vector product over the columns, and
+    :math:`\partial a = g\,s` (:math:`g / s`). The node stands for torch's
+    ``MulBackward0``/``DivBackward0`` with the same saved values, so windowed glue reads
+    it as before.
+    """
+
+    def __init__(self, func: Callable[..., Any], divide: bool, scalar_first: bool):
+        super().__init__()
+        self.func, self.divide, self.scalar_first = func, divide, scalar_first
+
+    def call(self, *tensors: Tensor | None) -> Tensor:
+        return self.func(*tensors)
+
+    def recorded(self, ctx, tensors):
+        ctx.stands_for = "DivBackward0" if self.divide else "MulBackward0"
+        ctx._saved_self, ctx._saved_other = tensors
+
+    def workspace(self, tensors, out):
+        return out.numel()  # the columns made contiguous for the product
+
+    def transposed(self, saved, shapes, grads, needs):
+        """Products at both operands; see :meth:`_Several.transposed`."""
+        first, second = (t.detach() for t in saved)
+        scalar, tensor = (first, second) if self.scalar_first else (second, first)
+        need_scalar, need_tensor = needs if self.scalar_first else needs[::-1]
+        count = grads.shape[0]
+        d_scalar = d_tensor = None
+        if need_tensor:
+            d_tensor = grads / scalar if self.divide else grads * scalar
+        if need_scalar:
+            dot = torch.mv(grads.reshape(count, -1), tensor.reshape(-1))
+            d_scalar = -dot / (scalar * scalar) if self.divide else dot
+        if self.scalar_first:
+            return d_scalar, d_tensor
+        return d_tensor, d_scalar
 
 
 class _Product(_Several):
@@ -1023,6 +1074,27 @@ def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
     return spec
 
 
+def _by_scalar(func: Callable[..., Any], divide: bool) -> Callable[[tuple, dict], Any]:
+    def fold(args: tuple, kwargs: dict) -> _ByScalar | None:
+        bound = _bind(("input", "other"), args, kwargs)
+        if bound is None or len(bound) != 2:
+            return None
+        a, b = bound["input"], bound["other"]
+        if not (_plain(a) and _plain(b)) or a.dtype != b.dtype:
+            return None
+        scalar_first = a.dim() == 0
+        scalar, tensor = (a, b) if scalar_first else (b, a)
+        if scalar.dim() != 0 or tensor.dim() == 0 or not _foldable(scalar):
+            return None
+        if divide and scalar_first:  # s / a: torch's own node
+            return None
+        spec = _ByScalar(func, divide, scalar_first)
+        spec.tensors = (a, b)
+        return spec
+
+    return fold
+
+
 def _product(func: Callable[..., Any]) -> Callable[[tuple, dict], _Product | None]:
     added = func in (torch.baddbmm, Tensor.baddbmm)
     names = ("input", "batch1", "batch2", "beta", "alpha") if added else ("input", "other")
@@ -1177,6 +1249,8 @@ FOLDERS: dict[Any, Callable[[tuple, dict], Any]] = {
     F.conv2d: _conv(2),
     F.conv3d: _conv(3),
     torch._weight_norm: _weight_norm,
+    **{f: _by_scalar(f, False) for f in (torch.mul, Tensor.mul, Tensor.__mul__)},
+    **{f: _by_scalar(f, True) for f in (torch.div, Tensor.div, Tensor.__truediv__)},
     **{
         f: _product(f)
         for f in (

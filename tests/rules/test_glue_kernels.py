@@ -527,6 +527,28 @@ def _eager_attention():
     return EagerAttention().double(), tokens, _TokenNLL(), torch.randint(0, 11, (2, 5))
 
 
+class ScalarGates(nn.Module):
+    """ReZero-style residuals and a temperature: learned 0-d parameters in the glue."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 3, 3, padding=1)
+        self.alpha = nn.Parameter(torch.tensor(0.7))
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = h + self.alpha * torch.relu(self.b(h))
+        return self.c(h) / self.temperature
+
+
+def _scalar_gates():
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    return ScalarGates().double(), x, nn.MSELoss(), torch.randn(2, 3, 6, 5).double()
+
+
 def _mh_attention():
     x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
     return MHAttention().double(), x, nn.CrossEntropyLoss(), torch.tensor([0, 2, 1])
@@ -553,6 +575,7 @@ MODELS = {
     "eager-attention": _eager_attention,
     "multihead-attention-weights": _mh_attention,
     "baddbmm-attention": _baddbmm_attention,
+    "scalar-gates": _scalar_gates,
     "convnext-style": _convnext_style,
     "cyclegan-style": _cyclegan_style,
 }
@@ -629,16 +652,52 @@ def test_folded_matrix_products_match_autograd_at_both_operands(name, needs):
     _assert_folded_like_autograd(got, expected, wanted, columns=5)
 
 
+# name: (a's shape, b's shape, the call on (a, b)): a 0-d tensor that needs grad times
+# (or dividing) a map; torch's batching ran the full sum to the scalar per column
+SCALARS = {
+    "map-times-scalar": ((2, 3, 4), (), lambda a, b: a * b),
+    "scalar-times-map": ((), (2, 3, 4), lambda a, b: a * b),
+    "torch-mul": ((3, 5), (), torch.mul),
+    "mul-method": ((), (2, 2, 3, 3), Tensor.mul),
+    "map-over-scalar": ((2, 3, 4), (), lambda a, b: a / b),
+    "torch-div": ((4, 3), (), torch.div),
+}
+
+
+@pytest.mark.parametrize("needs", ["both", "a-only", "b-only"])
+@pytest.mark.parametrize("name", SCALARS)
+def test_folded_products_with_a_scalar_match_autograd(name, needs):
+    """``a * s`` and ``a / s`` with a 0-d ``s``: batched, equal to autograd per column."""
+    a_shape, b_shape, call = SCALARS[name]
+    if needs == ("b-only" if a_shape == () else "a-only"):
+        pytest.skip("torch's own node where the scalar needs no grad")
+    torch.manual_seed(0)
+    a = torch.randn(a_shape, dtype=torch.float64, requires_grad=needs != "b-only")
+    b = torch.randn(b_shape, dtype=torch.float64, requires_grad=needs != "a-only")
+    expected = call(a, b)
+    with folded_glue():
+        got = call(a, b)
+    wanted = [t for t in (a, b) if t.requires_grad]
+    _assert_folded_like_autograd(got, expected, wanted, columns=5)
+    # read as the torch node it stands for, with the same saved values
+    divide = "div" in name or "over" in name
+    assert got.grad_fn.stands_for == ("DivBackward0" if divide else "MulBackward0")
+    assert got.grad_fn._saved_self is a and got.grad_fn._saved_other is b
+
+
 @pytest.mark.parametrize(
     "call",
     [
         lambda a, b: a @ b[0, :, 0],  # a vector operand
         lambda a, b: torch.baddbmm(a[..., :1], a, b),  # a bias that needs grad
         lambda a, b: torch.matmul(a, b.detach()).detach(),  # nothing needs grad
+        lambda a, b: a.sum() / b,  # a scalar divided by a map
+        lambda a, b: a * b.detach().sum(),  # a scalar that needs no grad
+        lambda a, b: torch.div(a, a.sum(), rounding_mode="floor"),  # rounding
     ],
 )
 def test_products_torch_keeps(call):
-    """Vectors, a ``baddbmm`` bias that needs grad: torch's own node."""
+    """Vectors, a ``baddbmm`` bias or a divisor map that needs grad: torch's node."""
     a = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
     with folded_glue():

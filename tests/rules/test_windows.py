@@ -14,6 +14,7 @@ import functools
 import gc
 import math
 import random
+import warnings
 import weakref
 
 import pytest
@@ -1825,3 +1826,39 @@ def test_glue_parameters_take_the_windowed_part_and_the_fields_apart(
     # the region's crossing and in the glue's products (once per sample)
     rows = [w for w in widths if w is not None and w <= tokens // 2]
     assert len(rows) >= 4 * (1 + N), widths
+
+
+class _ScalarGated(nn.Module):
+    """ReZero-style gate and a temperature: learned 0-d parameters in windowed glue."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 3, 3, padding=1)
+        self.alpha = nn.Parameter(torch.tensor(0.7))
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = h + self.alpha * torch.relu(self.b(h))
+        return self.c(h) / self.temperature
+
+
+@pytest.mark.parametrize("kwargs", [{"num_chunks": 3}, {"max_memory": "64MiB"}], ids=str)
+def test_learned_scalars_in_the_glue_stay_windowed_and_batched(kwargs, monkeypatch):
+    """The folded ``alpha * h`` and ``h / temperature`` are read as torch's nodes."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    torch.manual_seed(0)
+    model = _ScalarGated().double()
+    x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    y = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+        actual, report = ggnchunk.diag_ggn(
+            model, nn.MSELoss(), x, y, return_report=True, **kwargs
+        )
+    assert report.windowed and not report.window_ends, report.window_ends
+    assert_diag_close(actual, reference_diag_ggn(model, nn.MSELoss(), x, y), rtol=1e-9)
