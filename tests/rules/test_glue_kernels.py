@@ -615,24 +615,25 @@ def test_models_with_folded_glue_on_a_batch_of_one(name):
         torch.testing.assert_close(value[0], got[name_], rtol=1e-9, atol=1e-12)
 
 
-# name: (a's shape, b's shape, the call on (a, b)): matrix products in the glue, whose
-# backward torch's batching ran with the columns' maps copied whole
+# name: (a's shape, b's shape, the call on (a, b)): matrix products in the glue whose
+# output (the columns' maps) is the large side, as attention's scores q kᵀ: torch's
+# batching copied those maps whole in the backward
 FIXED = torch.randn(3, 4, 6, dtype=torch.float64)
 PRODUCTS = {
-    "bmm": ((3, 4, 5), (3, 5, 6), torch.bmm),
+    "bmm": ((3, 4, 2), (3, 2, 6), torch.bmm),
     "bmm-method-wide": ((2, 7, 2), (2, 2, 7), Tensor.bmm),
-    "bmm-tall": ((2, 3, 9), (2, 9, 2), torch.bmm),
-    "matmul-4d": ((2, 3, 4, 5), (2, 3, 5, 6), lambda a, b: a @ b),
-    "matmul-broadcast": ((2, 1, 4, 5), (1, 3, 5, 6), torch.matmul),
-    "matmul-matrix-right": ((2, 3, 4, 5), (5, 6), lambda a, b: a @ b),
-    "matmul-matrix-left": ((4, 5), (2, 3, 5, 6), Tensor.matmul),
-    "matmul-matrices": ((4, 5), (5, 6), lambda a, b: a @ b),
-    "matmul-3d-4d-tall": ((3, 4, 8), (2, 3, 8, 2), lambda a, b: a @ b),
-    "baddbmm-scaled": ((3, 4, 5), (3, 5, 6),
+    "bmm-scores": ((2, 9, 3), (2, 3, 8), torch.bmm),
+    "matmul-4d": ((2, 3, 4, 2), (2, 3, 2, 6), lambda a, b: a @ b),
+    "matmul-broadcast": ((2, 1, 4, 1), (1, 3, 1, 6), torch.matmul),
+    "matmul-matrix-right": ((2, 3, 4, 2), (2, 6), lambda a, b: a @ b),
+    "matmul-matrix-left": ((4, 2), (2, 3, 2, 6), Tensor.matmul),
+    "matmul-matrices": ((4, 2), (2, 6), lambda a, b: a @ b),
+    "matmul-3d-4d": ((3, 8, 2), (2, 3, 2, 9), lambda a, b: a @ b),
+    "baddbmm-scaled": ((3, 4, 2), (3, 2, 6),
                        lambda a, b: torch.baddbmm(FIXED, a, b, alpha=0.3, beta=2)),
-    "baddbmm-broadcast-input": ((3, 4, 5), (3, 5, 6),
+    "baddbmm-broadcast-input": ((3, 4, 2), (3, 2, 6),
                                 lambda a, b: torch.baddbmm(FIXED[0, :1], a, b)),
-    "baddbmm-nan-input-beta-0": ((3, 4, 5), (3, 5, 6),
+    "baddbmm-nan-input-beta-0": ((3, 4, 2), (3, 2, 6),
                                  lambda a, b: FIXED.mul(math.nan).baddbmm(a, b, beta=0)),
 }  # fmt: skip
 
@@ -689,6 +690,7 @@ def test_folded_products_with_a_scalar_match_autograd(name, needs):
     "call",
     [
         lambda a, b: a @ b[0, :, 0],  # a vector operand
+        lambda a, b: b[..., :2] @ b[..., :2].mT,  # square: no map beside a thin side
         lambda a, b: torch.baddbmm(a[..., :1], a, b),  # a bias that needs grad
         lambda a, b: torch.matmul(a, b.detach()).detach(),  # nothing needs grad
         lambda a, b: a.sum() / b,  # a scalar divided by a map
@@ -698,8 +700,8 @@ def test_folded_products_with_a_scalar_match_autograd(name, needs):
 )
 def test_products_torch_keeps(call):
     """Vectors, a ``baddbmm`` bias or a divisor map that needs grad: torch's node."""
-    a = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
     with folded_glue():
         got = call(a, b)
     assert "Folded" not in type(got.grad_fn).__name__
