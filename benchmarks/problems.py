@@ -421,8 +421,38 @@ def attention_sr(scale: int = 1) -> Problem:
     return _AttentionSR(), nn.MSELoss(), x, torch.randn(2 * scale, 3, 24, 24)
 
 
+class _DepthHead(nn.Module):
+    """GLPN's depth head in float64: 3×3 convolutions to one channel, squeezed."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 1, 3, padding=1),
+        )  # fmt: skip
+
+    def forward(self, x):
+        depth = torch.sigmoid(self.body(x)).squeeze(1) * 10  # in [0, 10], as GLPN's
+        return depth.unsqueeze(1)  # [N, 1, H, W], as a depth wrapper returns it
+
+
+def depth_head_f64(scale: int = 1) -> Problem:
+    """:class:`_DepthHead` on ``[2, 3, 32, 32]`` in float64, MSE to a depth map.
+
+    Without oneDNN (float64 on the CPU) torch's native kernels unfold every kernel
+    offset of all ``V·N`` maps in the backprop (``slow_conv_transpose2d``): 72 times
+    the last layer's output map. The squeeze (glue without a windowed form) keeps the
+    columns dense, as in transformers' GLPN, which peaked at 384 MiB at 256 MiB.
+    """
+    x = torch.randn(2 * scale, 3, 32, 32, dtype=torch.float64)
+    target = torch.rand(2 * scale, 1, 32, 32, dtype=torch.float64) * 10
+    return _DepthHead().double(), nn.MSELoss(), x, target
+
+
 PROBLEMS.update(
     attention_sr=attention_sr,
+    depth_head_f64=depth_head_f64,
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
     gpt_eager=gpt_eager, reflect_generator=reflect_generator,
     cyclegan_generator=cyclegan_generator,

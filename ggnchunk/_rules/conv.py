@@ -297,6 +297,20 @@ def _patch_squares(
     return total.permute(order).reshape(weight.shape)
 
 
+def _native(x: Tensor) -> bool:
+    """Whether torch runs this convolution's backprop with its native CPU kernels.
+
+    Without oneDNN (float64, or oneDNN off), ``slow_conv_transpose2d`` and
+    ``thnn_conv2d`` unfold every kernel offset of all ``V * N`` maps at once: on
+    transformers' GLPN in float64 that was 9x the maps (a 256 MiB budget peaked at
+    384 MiB before the bound counted it).
+    """
+    if x.device.type != "cpu":
+        return False
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    return not (onednn and x.dtype == torch.float32)
+
+
 def _flipped(weight: Tensor, groups: int) -> Tensor:
     """The kernel whose convolution is the transposed one of ``weight`` at stride 1.
 
@@ -604,7 +618,14 @@ class ConvRule(LayerRule):
         return fixed, per_column, max(transient, BLOCK + reorder + rows)
 
     def column_bytes(self, ctx, element):
-        return (2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]) * element
+        module = ctx.module
+        columns = 0
+        if _native(ctx.x):  # the input gradient's columns: every kernel offset's map
+            kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
+            columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
+            columns *= kernel
+        # the products, then the backprop: one after the other
+        return (2 * math.prod(ctx.out_shape) + max(self._sizes(ctx)[1], columns)) * element
 
     def fixed_bytes(self, ctx, element):
         return self._sizes(ctx)[0] * element
@@ -796,7 +817,10 @@ class ConvTransposeRule(LayerRule):
         per_offset = n * module.out_channels * math.prod(x.shape[2:])
         kernel = math.prod(as_tuple(module.kernel_size, x.dim() - 2))
         products = module.weight.numel() // kernel
-        return (2 * out + per_offset + products + math.prod(x.shape)) * element
+        # the input gradient's columns: every kernel offset's map (native kernels)
+        columns = kernel * per_offset if _native(x) else 0
+        work = max(per_offset + products, columns)  # the products, then the backprop
+        return (2 * out + work + math.prod(x.shape)) * element
 
     def fixed_bytes(self, ctx, element):
         module, x = ctx.module, ctx.x
