@@ -391,13 +391,19 @@ class _Product(_Several):
         results: list[Tensor | None] = []
         if self.added:
             results.append(
-                _summed_to(_scaled(grads, self.beta), first[0]) if first_needs[0] else None
+                _columns_summed_to(_scaled(grads, self.beta), first[0])
+                if first_needs[0]
+                else None
             )
         da = db = None
         if need_a:
-            da = _summed_to(_scaled(_times_transposed(grads, b), self.alpha), a_shape)
+            da = _columns_summed_to(
+                _scaled(_times_transposed(grads, b), self.alpha), a_shape
+            )
         if need_b:
-            db = _summed_to(_scaled(_transposed_times(a, grads), self.alpha), b_shape)
+            db = _columns_summed_to(
+                _scaled(_transposed_times(a, grads), self.alpha), b_shape
+            )
         return (*results, da, db)
 
 
@@ -411,7 +417,7 @@ def _times_transposed(g: Tensor, b: Tensor) -> Tensor:
     k = b.shape[-2]
     # broadcast b over the columns: torch copies it once per column (not at all for a
     # matrix); or fold the columns into g's rows: one copy of g
-    if b.dim() == 2 or math.prod(batch) * k <= math.prod(batch) * m:
+    if b.dim() == 2 or k <= m:
         return torch.matmul(g, b.mT)
     rows = g.movedim(0, -3).reshape(*batch, v * m, n)
     return torch.matmul(rows, b.mT).reshape(*batch, v, m, k).movedim(-3, 0)
@@ -429,7 +435,7 @@ def _transposed_times(a: Tensor, g: Tensor) -> Tensor:
     return torch.matmul(a.mT, cols).reshape(*batch, k, n, v).movedim(-1, 0)
 
 
-def _summed_to(values: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _columns_summed_to(values: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Columns ``[V, *broadcast]`` summed over the axes a ``shape`` operand took on."""
     extra = values.dim() - 1 - len(shape)
     if extra:
