@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ggnchunk._autograd import is_batched, on_columns
 
-__all__ = ["SDPA", "attention_workspace", "fold_attention", "unchecked"]
+__all__ = ["SDPA", "attention_workspace", "fold_attention", "fold_eager_tail", "unchecked"]
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -129,6 +129,54 @@ class _FoldedAttention(torch.autograd.Function):
             )
 
         return (*on_columns([grad], backward), None, None, None, None)
+
+
+class _EagerAttention(_FoldedAttention):
+    """``nn.MultiheadAttention``'s ``need_weights=True`` tail with the folded backward.
+
+    The same operations as ``F.multi_head_attention_forward`` runs (``bmm`` or
+    ``baddbmm`` with the mask, ``softmax``, ``bmm``; ``q`` already scaled), so the same
+    numbers; the backward is the folded attention's, the rows' form included.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, groups):
+        keys = k.transpose(-2, -1)
+        scores = torch.bmm(q, keys) if mask is None else torch.baddbmm(mask, q, keys)
+        out = torch.bmm(torch.softmax(scores, dim=-1), v)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.groups, ctx.is_causal, ctx.scale = 1, False, 1.0
+        ctx.workspace = _workspace(q, k, v)
+        return out
+
+
+def fold_eager_tail(
+    q: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None
+) -> Tensor | None:
+    """``bmm(softmax(bmm(q, keys)), v)`` (``baddbmm`` with ``mask``) folded, or ``None``.
+
+    Args:
+        q: ``[B, L, D]`` queries, scaled.
+        keys: ``[B, D, S]``, the keys transposed.
+        v: ``[B, S, Dv]``.
+        mask: An additive float mask broadcast to ``[B, L, S]``, or ``None``.
+
+    Returns:
+        The output ``[B, L, Dv]`` (the same numbers), with the folded backward.
+    """
+    tensors = (q, keys, v) if mask is None else (q, keys, v, mask)
+    if not all(type(t) is Tensor or isinstance(t, torch.nn.Parameter) for t in tensors):
+        return None
+    if (
+        any(t.dim() != 3 or t.is_nested for t in (q, keys, v))
+        or len({t.dtype for t in tensors}) != 1
+    ):
+        return None
+    if not q.dtype.is_floating_point or not any(t.requires_grad for t in (q, keys, v)):
+        return None
+    if mask is not None and (mask.requires_grad or mask.dim() > 3):
+        return None
+    return _EagerAttention.apply(q, keys.transpose(-2, -1), v, mask, False, 1.0, 1)
 
 
 def _grouped(
@@ -356,7 +404,7 @@ def attention_workspace(node: Any) -> int:
     Returns:
         The folded attention's workspace (all samples together), else 0.
     """
-    if isinstance(node, _FoldedAttention._backward_cls):
+    if isinstance(node, (_FoldedAttention._backward_cls, _EagerAttention._backward_cls)):
         return int(getattr(node, "workspace", 0))
     return 0
 

@@ -26,10 +26,17 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ggnchunk._attention import SDPA, attention_workspace, fold_attention, unchecked
+from ggnchunk._attention import (
+    SDPA,
+    attention_workspace,
+    fold_attention,
+    fold_eager_tail,
+    unchecked,
+)
 from ggnchunk._glue_kernels import FOLDERS, fold_glue_call, glue_kernel_workspace
 from ggnchunk._resample import INTERPOLATE, fold_interpolate, resample_workspace
 
@@ -81,9 +88,54 @@ class _Folding(TorchFunctionMode):
         elif func is F.multi_head_attention_forward:
             inner = unchecked(func)
             if inner is not None:
-                with self:
+                with self, _EagerTail():
                     return inner(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+class _EagerTail(TorchFunctionMode):
+    """Inside ``F.multi_head_attention_forward``: its ``need_weights=True`` tail folded.
+
+    It computes ``P = softmax(bmm(q, kᵀ))`` (``baddbmm`` with the mask) for the weights
+    it returns, then ``bmm(P, v)``. That last product, where its first operand is this
+    very ``P``, is computed by :func:`~ggnchunk._attention.fold_eager_tail` from the same
+    operands with the same operations, with the folded attention's backward (the rows'
+    form); the weights keep their own graph. With dropout (a draw between the two) the
+    operand is not ``P`` and nothing is changed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: Any = None  # (the scores, q, kᵀ, mask) of the last product
+        self.probs: Any = None  # (P, q, kᵀ, mask)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.bmm and self.probs is not None and len(args) == 2 and not kwargs:
+            probs, q, keys, mask = self.probs
+            self.probs = None
+            if args[0] is probs:
+                folded = fold_eager_tail(q, keys, args[1], mask)
+                if folded is not None:
+                    return folded
+        result = func(*args, **kwargs)
+        if func is torch.bmm and len(args) == 2 and not kwargs:
+            self.scores = (result, args[0], args[1], None)
+        elif func is torch.baddbmm and len(args) == 3 and not kwargs:
+            self.scores = (result, args[1], args[2], args[0])
+        elif func is F.softmax and self.scores is not None and args and (
+            args[0] is self.scores[0]
+        ) and _last_axis(args, kwargs):  # fmt: skip
+            self.probs = (result, *self.scores[1:])
+            self.scores = None
+        return result
+
+
+def _last_axis(args: tuple, kwargs: dict) -> bool:
+    """A ``softmax`` call along the last axis, in the input's dtype."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
+    return dtype is None and isinstance(dim, int) and dim in (-1, args[0].dim() - 1)
 
 
 @contextlib.contextmanager

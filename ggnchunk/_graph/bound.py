@@ -18,10 +18,8 @@ from ggnchunk._graph.parts import Call, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._rules.conv import ConvRule, ConvTransposeRule
 from ggnchunk._rules.folded import FoldedRule
+from ggnchunk._rules.kernels import MAPS_MARGIN
 
-# what the sizes leave out (kernels' workspaces, the allocator's partly reused blocks),
-# as a factor: measured up to ~1.5x on CPU convolutions and the maps around them
-MAPS_MARGIN = 1.5
 _MAP_RULES = (ConvRule, ConvTransposeRule, FoldedRule)
 
 

@@ -21,6 +21,7 @@ from ggnchunk._rules.geometry import (
 )
 from ggnchunk._rules.kernels import (
     BLOCK,
+    MAPS_MARGIN,
     SMALL_WEIGHT,
     products,
     square_sum,
@@ -620,12 +621,17 @@ class ConvRule(LayerRule):
     def column_bytes(self, ctx, element):
         module = ctx.module
         columns = 0
-        if _native(ctx.x):  # the input gradient's columns: every kernel offset's map
+        if _native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT:
+            # the transposed convolution's columns: every kernel offset's map (a large
+            # weight's input-gradient kernel takes twice the maps, counted already)
             kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
             columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
-            columns *= kernel
-        # the products, then the backprop: one after the other
-        return (2 * math.prod(ctx.out_shape) + max(self._sizes(ctx)[1], columns)) * element
+            columns = math.ceil(columns * kernel / MAPS_MARGIN)  # they are the workspace
+            # the bound's margin on maps stands for: counted once, at their size
+        # the products, then the backprop (its columns beside the vectors, which the
+        # sweep's bound counts at the layer): one after the other
+        products = 2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]
+        return max(products, columns) * element
 
     def fixed_bytes(self, ctx, element):
         return self._sizes(ctx)[0] * element
@@ -818,9 +824,10 @@ class ConvTransposeRule(LayerRule):
         kernel = math.prod(as_tuple(module.kernel_size, x.dim() - 2))
         products = module.weight.numel() // kernel
         # the input gradient's columns: every kernel offset's map (native kernels)
-        columns = kernel * per_offset if _native(x) else 0
-        work = max(per_offset + products, columns)  # the products, then the backprop
-        return (2 * out + work + math.prod(x.shape)) * element
+        # (they are the workspace the bound's margin on maps stands for: counted once)
+        columns = math.ceil(kernel * per_offset / MAPS_MARGIN) if _native(x) else 0
+        work = 2 * out + per_offset + products + math.prod(x.shape)
+        return max(work, columns) * element  # the products, then the backprop
 
     def fixed_bytes(self, ctx, element):
         module, x = ctx.module, ctx.x

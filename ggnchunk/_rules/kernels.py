@@ -30,6 +30,10 @@ __all__ = [
 _GRAM_LIMIT = 2**24  # elements of the Gram matrices (64 MiB in float32) at most
 BLOCK = 2**20  # elements of one batched product of the direct form (4 MiB in float32)
 SMALL_WEIGHT = 2**16  # convolution weights backpropagated by the transposed convolution
+# what the memory bound's sizes leave out where layers work on maps (kernels' workspaces,
+# the allocator's partly reused blocks), as a factor: measured up to ~1.5x on CPU
+# convolutions and the maps around them (:mod:`ggnchunk._graph.bound`)
+MAPS_MARGIN = 1.5
 
 
 def use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:

@@ -239,3 +239,84 @@ def test_keys_broadcast_over_heads_are_folded(mask_kind):
     # two axes broadcast (or a key axis larger than one): left to torch
     q2 = q[:1].expand(2, *q.shape[1:]).contiguous().requires_grad_(True)
     assert _attention.fold_attention((q2, k[:1], v[:1]), {}) is None
+
+
+class WeightedMHA(nn.Module):
+    """``nn.MultiheadAttention`` as most code calls it (``need_weights=True``).
+
+    Per-token logits after one attention over token embeddings, optionally with a key
+    padding mask (the ``baddbmm`` form), its weights used in the loss or dropped.
+    """
+
+    def __init__(self, dim=8, vocab=7, use_weights=False, padding=False, dropout=0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True, dropout=dropout)
+        self.head = nn.Linear(dim, vocab)
+        self.use_weights, self.padding = use_weights, padding
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        pad = None
+        if self.padding:  # token 0 is padding (never a whole sequence here)
+            pad = idx == 0
+        a, weights = self.attn(h, h, h, key_padding_mask=pad)
+        out = self.head(h + a)
+        if self.use_weights:  # [N, T, T] added to the logits of the first T classes
+            out = out + F.pad(weights, (0, out.shape[-1] - weights.shape[-1]))
+        return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["no-mask", "padding-mask"])
+@pytest.mark.parametrize("use_weights", [False, True], ids=["output", "output-and-weights"])
+def test_multihead_attention_with_weights_is_folded_and_exact(
+    use_weights, padding, monkeypatch
+):
+    """The ``need_weights=True`` tail: the same output, the folded backward, exact."""
+    torch.manual_seed(0)
+    model = WeightedMHA(use_weights=use_weights, padding=padding).double()
+    idx, targets = torch.randint(1, 7, (3, 6)), torch.randint(0, 7, (3, 6))
+    idx[0, -2:] = idx[2, 1] = 0  # padding in two of the sequences
+    from ggnchunk._folding import folded_glue
+
+    with folded_glue():
+        folded = model(idx)
+    assert torch.equal(folded, model(idx)), "the folded tail computed something else"
+    assert "_EagerAttentionBackward" in _node_names(folded)
+    rows = []
+    original = _attention._on_rows
+    monkeypatch.setattr(
+        _attention, "_on_rows",
+        lambda g, r, *args: rows.append(r is not None) or original(g, r, *args),
+    )  # fmt: skip
+    for options in ({}, {"num_chunks": 3}, {"max_memory": "64MiB"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+            got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), idx, targets, **options)
+        expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), idx, targets)
+        assert_diag_close(got, expected, rtol=1e-10, label=str(options))
+    assert any(rows), "a token's columns reach its own row: the rows' form"
+
+
+def test_multihead_attention_with_dropout_keeps_torchs_tail():
+    """Dropout draws between the softmax and the product: nothing is folded."""
+    torch.manual_seed(0)
+    model = WeightedMHA(dropout=0.5).double().train()
+    from ggnchunk._folding import folded_glue
+
+    with folded_glue():
+        out = model(torch.randint(0, 7, (2, 5)))
+    assert "_EagerAttentionBackward" not in _node_names(out)
+
+
+def _node_names(output):
+    """The names of every node behind ``output``."""
+    names, seen, stack = set(), set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
