@@ -68,11 +68,11 @@ def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(
     """U-Nets with GroupNorm: windowed passes carry fields (issue 19).
 
     ``time_unet_32``'s glue (a time embedding added to the maps, ``F.silu``,
-    ``F.interpolate``, attention) is crossed on the boxes. ``attention_sr``'s eager
-    attention (``nn.MultiheadAttention``'s default ``need_weights=True``) keeps its
-    ``[L, L]`` scores per column inside the glue, 40x the vectors at the glue's ends: it
-    peaked at 40.3 MiB (``set_up``) before the bound counted the largest node's
-    gradients. ``depth_head_f64`` (GLPN's depth head in float64, windows ended at its
+    ``F.interpolate``, attention) is crossed on the boxes. ``attention_sr``'s attention
+    written out (``softmax(q kᵀ) v``) keeps its ``[L, L]`` scores per column inside the
+    glue, 40x the vectors at the glue's ends: it peaked at 45.7-51.7 MiB (``set_up``)
+    before the bound counted the largest node's gradients and the glue's products were
+    folded. ``depth_head_f64`` (GLPN's depth head in float64, windows ended at its
     output's glue) backpropagates its convolutions with torch's native kernels, which
     unfold every kernel offset of all the chunk's maps: 394 MiB at 256 MiB before the
     convolutions' bound counted them. The first call is measured with its one-time
