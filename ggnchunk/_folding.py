@@ -7,8 +7,8 @@ runs, :func:`folded_glue` (a torch function mode: thread-local) routes the calls
 backward it can write with batched operations through their folded forms, the same
 forward computation with such a backward:
 
-- ``F.scaled_dot_product_attention`` (also inside ``nn.MultiheadAttention``):
-  :mod:`ggnchunk._attention`;
+- ``F.scaled_dot_product_attention`` (also inside ``nn.MultiheadAttention``, and its
+  ``need_weights=True`` tail: :class:`_EagerTail`): :mod:`ggnchunk._attention`;
 - ``F.interpolate`` outside layers with a rule (functional resizes; ``nn.Upsample``
   keeps its rule): :mod:`ggnchunk._resample`;
 - ``F.pad`` (every mode), max and average pooling (1-3d, also adaptive), pixel
