@@ -140,8 +140,9 @@ class NormedAttentionUNet(nn.Module):
     plus the fields' (made once per forward pass).
     """
 
-    def __init__(self, channels: int = 2, width: int = 4):
+    def __init__(self, channels: int = 2, width: int = 4, need_weights: bool = False):
         super().__init__()
+        self.need_weights = need_weights  # True: the eager tail (its default)
         self.enc = nn.Conv2d(channels, width, 3, padding=1)
         self.norm0 = nn.GroupNorm(2, width)
         self.down = nn.Conv2d(width, width, 3, stride=2, padding=1)
@@ -158,7 +159,7 @@ class NormedAttentionUNet(nn.Module):
         b = self.down(h)
         n, c, hh, ww = b.shape
         tokens = self.norm_attn(b).flatten(2).transpose(1, 2)
-        att = self.attn(tokens, tokens, tokens, need_weights=False)[0]
+        att = self.attn(tokens, tokens, tokens, need_weights=self.need_weights)[0]
         b = b + att.transpose(1, 2).reshape(n, c, hh, ww)
         b = F.silu(self.norm_mid(self.mid(b)))
         u = F.interpolate(b, scale_factor=2, mode="nearest")
@@ -534,6 +535,8 @@ MODELS = {
     "flips": lambda: Mirrored(),
     "residual-groupnorm": lambda: ResidualGroupNorm(),
     "normed-attention-unet": lambda: NormedAttentionUNet(),
+    # the same with nn.MultiheadAttention's default need_weights=True (the eager tail)
+    "weighted-attention-unet": lambda: NormedAttentionUNet(need_weights=True),
     "shared-glue": lambda: SharedGlue(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
     # a norm over positions after grouped, dilated transposed convolutions: the blocks
@@ -564,6 +567,7 @@ SHAPES = {
     "max-pools": (2, 12, 12),
     "bilinear-modules": (2, 12, 12),
     "normed-attention-unet": (2, 12, 12),
+    "weighted-attention-unet": (2, 12, 12),
 }
 CHANNELS = {"tutorial-ae": 3, "conv-vae-linear-bottleneck": 1}
 
@@ -752,8 +756,11 @@ def test_both_forms_of_windowed_weight_products(
 
 @pytest.mark.parametrize(
     "name",
-    ["skips-groupnorm-avg-nearest", "outpad-ae", "reflect", "normed-attention-unet"],
-)
+    [
+        "skips-groupnorm-avg-nearest", "outpad-ae", "reflect", "normed-attention-unet",
+        "weighted-attention-unet",
+    ],
+)  # fmt: skip
 def test_windowed_equals_dense_path(name, monkeypatch):
     """The same call with the switch off gives the same numbers (float64 rounding)."""
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
