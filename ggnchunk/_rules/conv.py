@@ -622,14 +622,15 @@ class ConvRule(LayerRule):
         module = ctx.module
         columns = 0
         if _native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT:
-            # the transposed convolution's columns: every kernel offset's map (a large
-            # weight's input-gradient kernel takes twice the maps, counted already)
+            # the native transposed convolution's columns: every kernel offset's map (a
+            # large weight's input-gradient kernel takes twice the maps, counted
+            # already). They are the workspace the bound's margin on maps stands for:
+            # counted once, at their size
             kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
             columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
-            columns = math.ceil(columns * kernel / MAPS_MARGIN)  # they are the workspace
-            # the bound's margin on maps stands for: counted once, at their size
-        # the products, then the backprop (its columns beside the vectors, which the
-        # sweep's bound counts at the layer): one after the other
+            columns = math.ceil(columns * kernel / MAPS_MARGIN)
+        # the products, then the backprop (its vectors counted by the sweep's bound at
+        # the layer): one after the other
         products = 2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]
         return max(products, columns) * element
 
@@ -823,8 +824,8 @@ class ConvTransposeRule(LayerRule):
         per_offset = n * module.out_channels * math.prod(x.shape[2:])
         kernel = math.prod(as_tuple(module.kernel_size, x.dim() - 2))
         products = module.weight.numel() // kernel
-        # the input gradient's columns: every kernel offset's map (native kernels)
-        # (they are the workspace the bound's margin on maps stands for: counted once)
+        # the native kernels' columns for the input gradient: every kernel offset's map
+        # (the workspace the bound's margin on maps stands for: counted once)
         columns = math.ceil(kernel * per_offset / MAPS_MARGIN) if _native(x) else 0
         work = 2 * out + per_offset + products + math.prod(x.shape)
         return max(work, columns) * element  # the products, then the backprop
