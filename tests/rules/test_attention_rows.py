@@ -310,13 +310,18 @@ def test_multihead_attention_with_dropout_keeps_torchs_tail():
 
 
 def _node_names(output):
-    """The names of every node behind ``output``."""
-    names, seen, stack = set(), set(), [output.grad_fn]
+    """The names of every node behind ``output``.
+
+    Every node visited is kept alive: before torch 2.13 ``next_functions`` makes a new
+    Python object per access, and a dropped one's id is reused.
+    """
+    names, seen, stack, alive = set(), set(), [output.grad_fn], []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        alive.append(node)
         names.add(type(node).__name__)
         stack.extend(n for n, _ in node.next_functions)
     return names
