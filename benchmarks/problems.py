@@ -386,31 +386,41 @@ def cyclegan_generator(scale: int = 1) -> Problem:
 
 
 class _AttentionSR(nn.Module):
-    """×2 super-resolution with attention over the pixels written out.
+    """×2 super-resolution with attention over the pixels.
 
-    Conv, GroupNorm, ``softmax(q kᵀ / √d) v`` over the pixels as many hand-written
-    models have it (not ``scaled_dot_product_attention``: its ``[heads, L, L]`` scores
-    live in the glue), a residual, conv, ``PixelShuffle``.
+    Conv, GroupNorm, attention, a residual, conv, ``PixelShuffle``. The attention is
+    written out, ``softmax(q kᵀ / √d) v``, as many hand-written models have it (not
+    ``scaled_dot_product_attention``: its ``[heads, L, L]`` scores live in the glue);
+    with ``module=True`` it is ``nn.MultiheadAttention`` with its default
+    ``need_weights=True``.
     """
 
-    def __init__(self, width: int = 8, heads: int = 2):
+    def __init__(self, width: int = 8, heads: int = 2, module: bool = False):
         super().__init__()
         self.head = nn.Conv2d(3, width, 3, padding=1)
         self.norm = nn.GroupNorm(2, width)
-        self.qkv = nn.Conv2d(width, 3 * width, 1)
         self.heads = heads
+        if module:
+            self.attn = nn.MultiheadAttention(width, heads)
+        else:
+            self.qkv = nn.Conv2d(width, 3 * width, 1)
         self.body = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.LeakyReLU(0.1))
         self.tail = nn.Conv2d(width, 12, 3, padding=1)
         self.shuffle = nn.PixelShuffle(2)
 
-    def forward(self, x):
-        h = self.head(x)
-        n, c, height, width = h.shape
+    def _attention(self, h):
+        n, c = h.shape[:2]
+        if hasattr(self, "attn"):
+            tokens = self.norm(h).flatten(2).permute(2, 0, 1)  # [L, N, C]
+            return self.attn(tokens, tokens, tokens)[0].permute(1, 2, 0)
         qkv = self.qkv(self.norm(h)).reshape(n, 3, self.heads, c // self.heads, -1)
         q, k, v = qkv.unbind(1)  # [N, heads, C / heads, L]
         scores = q.transpose(-1, -2) @ k / (c // self.heads) ** 0.5  # [N, heads, L, L]
-        a = v @ torch.softmax(scores, dim=-1).transpose(-1, -2)
-        h = h + a.reshape(n, c, height, width)
+        return v @ torch.softmax(scores, dim=-1).transpose(-1, -2)
+
+    def forward(self, x):
+        h = self.head(x)
+        h = h + self._attention(h).reshape(h.shape)
         return self.shuffle(self.tail(self.body(h)))
 
 

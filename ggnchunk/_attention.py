@@ -134,32 +134,36 @@ class _FoldedAttention(torch.autograd.Function):
 class _EagerAttention(_FoldedAttention):
     """``nn.MultiheadAttention``'s ``need_weights=True`` tail with the folded backward.
 
-    The same operations as ``F.multi_head_attention_forward`` runs (``bmm`` or
-    ``baddbmm`` with the mask, ``softmax``, ``bmm``; ``q`` already scaled), so the same
-    numbers; the backward is the folded attention's, the rows' form included.
+    Its output is the call's own last product, ``bmm(P, v)`` of the probabilities it
+    computed (``q`` already scaled), so the same numbers; the backward is the folded
+    attention's (``P`` made again from ``q``, ``k`` and the mask), the rows' form
+    included.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, groups):
-        keys = k.transpose(-2, -1)
-        scores = torch.bmm(q, keys) if mask is None else torch.baddbmm(mask, q, keys)
-        out = torch.bmm(torch.softmax(scores, dim=-1), v)
+    def forward(ctx, q, k, v, mask, probs):
         ctx.save_for_backward(q, k, v, mask)
         ctx.groups, ctx.is_causal, ctx.scale = 1, False, 1.0
         ctx.workspace = _workspace(q, k, v)
-        return out
+        return torch.bmm(probs, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return *_FoldedAttention.backward(ctx, grad)[:4], None
 
 
 def fold_eager_tail(
-    q: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None
+    q: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None, probs: Tensor
 ) -> Tensor | None:
-    """``bmm(softmax(bmm(q, keys)), v)`` (``baddbmm`` with ``mask``) folded, or ``None``.
+    """``bmm(probs, v)`` of ``probs = softmax(bmm(q, keys))`` folded, or ``None``.
 
     Args:
         q: ``[B, L, D]`` queries, scaled.
         keys: ``[B, D, S]``, the keys transposed.
         v: ``[B, S, Dv]``.
-        mask: An additive float mask broadcast to ``[B, L, S]``, or ``None``.
+        mask: An additive float mask broadcast to ``[B, L, S]`` (``baddbmm``'s input),
+            or ``None``.
+        probs: ``[B, L, S]``, the call's softmax of the scores.
 
     Returns:
         The output ``[B, L, Dv]`` (the same numbers), with the folded backward.
@@ -176,7 +180,7 @@ def fold_eager_tail(
         return None
     if mask is not None and (mask.requires_grad or mask.dim() > 3):
         return None
-    return _EagerAttention.apply(q, keys.transpose(-2, -1), v, mask, False, 1.0, 1)
+    return _EagerAttention.apply(q, keys.transpose(-2, -1), v, mask, probs.detach())
 
 
 def _grouped(

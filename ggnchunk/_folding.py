@@ -98,10 +98,10 @@ class _EagerTail(TorchFunctionMode):
 
     It computes ``P = softmax(bmm(q, kᵀ))`` (``baddbmm`` with the mask) for the weights
     it returns, then ``bmm(P, v)``. That last product, where its first operand is this
-    very ``P``, is computed by :func:`~ggnchunk._attention.fold_eager_tail` from the same
-    operands with the same operations, with the folded attention's backward (the rows'
-    form); the weights keep their own graph. With dropout (a draw between the two) the
-    operand is not ``P`` and nothing is changed.
+    very ``P``, is the same product in :func:`~ggnchunk._attention.fold_eager_tail`, with
+    the folded attention's backward (the rows' form); the weights keep their own graph.
+    With dropout (a draw between the two) the operand is not ``P`` and nothing is
+    changed.
     """
 
     def __init__(self) -> None:
@@ -115,7 +115,7 @@ class _EagerTail(TorchFunctionMode):
             probs, q, keys, mask = self.probs
             self.probs = None
             if args[0] is probs:
-                folded = fold_eager_tail(q, keys, args[1], mask)
+                folded = fold_eager_tail(q, keys, args[1], mask, probs)
                 if folded is not None:
                     return folded
         result = func(*args, **kwargs)

@@ -81,3 +81,20 @@ class PerSampleBlock(nn.Module):
 
     def forward(self, x):
         return torch.sin(x) * self.gain + x.pow(2).mean(dim=-1, keepdim=True)
+
+
+class ScalarGated(nn.Module):
+    """ReZero-style residual and a temperature: learned 0-d parameters in the glue."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 3, 3, padding=1)
+        self.alpha = nn.Parameter(torch.tensor(0.7))
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = h + self.alpha * torch.relu(self.b(h))
+        return self.c(h) / self.temperature

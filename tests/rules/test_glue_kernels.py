@@ -26,6 +26,7 @@ from torch import Tensor, nn
 import ggnchunk
 from ggnchunk._autograd import batched_grad
 from ggnchunk._folding import folded_glue, glue_workspace
+from tests.models import ScalarGated
 from tests.reference import assert_diag_close, reference_diag_ggn
 
 # name: (input shape, the call)
@@ -527,26 +528,9 @@ def _eager_attention():
     return EagerAttention().double(), tokens, _TokenNLL(), torch.randint(0, 11, (2, 5))
 
 
-class ScalarGates(nn.Module):
-    """ReZero-style residuals and a temperature: learned 0-d parameters in the glue."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Conv2d(3, 4, 3, padding=1)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.c = nn.Conv2d(4, 3, 3, padding=1)
-        self.alpha = nn.Parameter(torch.tensor(0.7))
-        self.temperature = nn.Parameter(torch.tensor(1.3))
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        h = h + self.alpha * torch.relu(self.b(h))
-        return self.c(h) / self.temperature
-
-
 def _scalar_gates():
     x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
-    return ScalarGates().double(), x, nn.MSELoss(), torch.randn(2, 3, 6, 5).double()
+    return ScalarGated().double(), x, nn.MSELoss(), torch.randn(2, 3, 6, 5).double()
 
 
 def _mh_attention():

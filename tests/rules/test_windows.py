@@ -29,7 +29,7 @@ from ggnchunk._quantities import DiagonalGGN
 from ggnchunk._rules import conv
 from ggnchunk._rules.geometry import patch_index
 from tests.lean import force_lean
-from tests.models import UNet
+from tests.models import ScalarGated, UNet
 from tests.reference import assert_diag_close, recorded_draws, reference_diag_ggn
 
 N = 2
@@ -1835,23 +1835,6 @@ def test_glue_parameters_take_the_windowed_part_and_the_fields_apart(
     assert len(rows) >= 4 * (1 + N), widths
 
 
-class _ScalarGated(nn.Module):
-    """ReZero-style gate and a temperature: learned 0-d parameters in windowed glue."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Conv2d(3, 4, 3, padding=1)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.c = nn.Conv2d(4, 3, 3, padding=1)
-        self.alpha = nn.Parameter(torch.tensor(0.7))
-        self.temperature = nn.Parameter(torch.tensor(1.3))
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        h = h + self.alpha * torch.relu(self.b(h))
-        return self.c(h) / self.temperature
-
-
 @pytest.mark.parametrize("kwargs", [{"num_chunks": 3}, {"max_memory": "64MiB"}], ids=str)
 def test_learned_scalars_in_the_glue_stay_windowed_and_batched(kwargs, monkeypatch):
     """The folded ``alpha * h`` and ``h / temperature`` are read as torch's nodes."""
@@ -1859,7 +1842,7 @@ def test_learned_scalars_in_the_glue_stay_windowed_and_batched(kwargs, monkeypat
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     monkeypatch.setattr(_windows, "TRIAL", False)
     torch.manual_seed(0)
-    model = _ScalarGated().double()
+    model = ScalarGated().double()
     x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
     y = torch.randn(2, 3, 12, 12, dtype=torch.float64)
     with warnings.catch_warnings():
