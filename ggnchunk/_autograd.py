@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
     "BatchNormBase",
+    "Broadcast",
     "Edge",
     "Gather",
     "GradientEdge",
@@ -37,7 +38,9 @@ __all__ = [
     "apply_node",
     "batched_grad",
     "blocked",
+    "broadcast_of",
     "edge_key",
+    "edge_numel",
     "edge_of",
     "first_global_forward_hook",
     "gather_of",
@@ -52,6 +55,7 @@ __all__ = [
     "quiet_autograd",
     "saved_value",
     "scatter_rows",
+    "scatter_rows_per_sample",
 ]
 
 Edge = GradientEdge
@@ -127,6 +131,19 @@ def grad_shape(node: Node, number: int) -> torch.Size | None:
     if metadata is None or number >= len(metadata):
         return None
     return torch.Size(metadata[number].shape)
+
+
+def edge_numel(edge: GradientEdge) -> int:
+    """Elements of the gradient at a node's output (0 where the node does not say).
+
+    Args:
+        edge: The node's output.
+
+    Returns:
+        The count.
+    """
+    shape = grad_shape(edge.node, edge.output_nr)
+    return 0 if shape is None else shape.numel()
 
 
 def output_count(node: Node) -> int:
@@ -244,6 +261,117 @@ def scatter_rows(gather: Gather, grads: Tensor) -> Tensor:
     if gather.padding_idx is not None:
         rows[:, gather.padding_idx] = 0.0
     return rows
+
+
+def scatter_rows_per_sample(gather: Gather, grads: Tensor, samples: int) -> Tensor:
+    """Each sample's weight gradients of a :class:`Gather` (its lookups on axis 0).
+
+    Args:
+        gather: The embedding node; ``indices.shape[0]`` is ``samples`` (proven by the
+            caller) unless there is one sample.
+        grads: ``[V, *indices.shape, D]``, the gradients at the node's output.
+        samples: ``N``.
+
+    Returns:
+        ``[V, N, rows, D]``.
+    """
+    if samples == 1:
+        return scatter_rows(gather, grads).unsqueeze(1)
+    v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
+    offsets = torch.arange(samples, device=grads.device).mul_(rows)
+    index = gather.indices.reshape(samples, -1) + offsets[:, None]
+    out = grads.new_zeros(v, samples * rows, dim)
+    out.index_add_(1, index.reshape(-1), grads.reshape(v, -1, dim))
+    out = out.view(v, samples, rows, dim)
+    if gather.padding_idx is not None:
+        out[:, :, gather.padding_idx] = 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A node reading a parameter broadcast over the samples' axis of its output.
+
+    A learned position table added to the tokens (``x + pos``, ``pos`` ``[1, T, D]``),
+    a class token expanded to the batch (``cls.expand(N, -1, -1)``), a layer scale
+    (``gamma * x``): the gradient of the parameter from one sample is the gradient at
+    the node's output on that sample's slice, scaled (by ``alpha``, or times the other
+    factor) and summed to the parameter's shape. So every sample's products come from
+    one backward pass to the node's output instead of one pass per sample, provided
+    the output's axis 0 holds the samples (proven per recording by the caller).
+    """
+
+    edge: GradientEdge  # the node's output: where the gradient is taken
+    aligned: torch.Size  # the parameter's shape, left-padded with ones to the output's
+    param: torch.Size
+    dtype: torch.dtype
+    scale: float = 1.0
+    factor: Tensor | None = None  # the other factor of a product
+
+    def per_sample(self, grads: Tensor, samples: int) -> Tensor:
+        """Each sample's gradient of the parameter from the node's output gradients.
+
+        Args:
+            grads: ``[V, *out]``, the gradients at the node's output; ``out[0]`` is the
+                samples' axis (``N``) unless there is one sample.
+            samples: ``N``.
+
+        Returns:
+            ``[V, N, *param]``.
+        """
+        if self.factor is not None:
+            grads = grads * self.factor
+        elif self.scale != 1.0:
+            grads = grads * self.scale
+        v = grads.shape[0]
+        if samples == 1:
+            summed = grads.sum_to_size(v, *self.aligned)
+        else:
+            summed = grads.sum_to_size(v, samples, *self.aligned[1:])
+        return summed.reshape(v, samples, *self.param).to(self.dtype)
+
+
+_BROADCASTING = frozenset(
+    {"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"}
+)
+
+
+def broadcast_of(node: Node, position: int, variable: Tensor) -> Broadcast | None:
+    """The :class:`Broadcast` of ``node`` reading ``variable`` at input ``position``.
+
+    Args:
+        node: A node of the autograd graph.
+        position: Which of its inputs (``next_functions``) is the parameter.
+        variable: The parameter.
+
+    Returns:
+        The reader, or ``None`` where the node is of another kind, or the parameter is
+        not broadcast along the output's axis 0 (it has the samples' size there).
+    """
+    name = node.name()
+    if name not in _BROADCASTING or output_count(node) != 1:
+        return None
+    if variable.is_complex() or not variable.is_floating_point():
+        return None
+    out = grad_shape(node, 0)
+    shape = variable.shape
+    if out is None or len(out) < max(1, len(shape)):
+        return None
+    aligned = torch.Size((1,) * (len(out) - len(shape)) + tuple(shape))
+    if aligned[0] != 1 or any(a not in (1, o) for a, o in zip(aligned, out, strict=True)):
+        return None
+    scale, factor = 1.0, None
+    if name in ("AddBackward0", "SubBackward0") and position == 1:
+        alpha = saved_value(node, "alpha")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            return None
+        scale = float(alpha) * (-1.0 if name == "SubBackward0" else 1.0)
+    elif name == "MulBackward0":
+        other = saved_value(node, "other" if position == 0 else "self")
+        if not isinstance(other, Tensor) or other.is_complex():
+            return None
+        factor = other.detach()
+    return Broadcast(GradientEdge(node, 0), aligned, shape, variable.dtype, scale, factor)
 
 
 class SlowBackwardWarning(UserWarning):

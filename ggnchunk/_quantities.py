@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ggnchunk._autograd import Gather, batched_grad, blocked, plain_grad, scatter_rows
+from ggnchunk._autograd import (
+    Gather,
+    batched_grad,
+    blocked,
+    edge_numel,
+    plain_grad,
+    scatter_rows,
+    scatter_rows_per_sample,
+)
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
@@ -460,11 +468,51 @@ class _Products(Quantity):
             buffers: Where they are added, by parameter index.
         """
         v, n = grads.shape[:2]
-        # a parameter read only by embedding lookups: the gradients at the lookups'
-        # outputs, added into rows here (torch's vmap loops over embedding_backward)
+
+        def add(i: int, sample: int | None, value: Tensor) -> None:
+            if i not in buffers:
+                shape = value.shape[2:] if sample is None else value.shape[1:]
+                buffers[i] = value.new_zeros(v, n, *shape)
+            if sample is None:
+                buffers[i] += value
+            else:
+                buffers[i][:, sample] += value
+
+        # parameters read only by embedding lookups or broadcast over the samples: every
+        # sample's products off one pass to the readers' outputs (torch's vmap loops
+        # over embedding_backward; a pass per sample costs N times the region)
+        fast = recording.per_sample_readers(source, grads)
+        found = [(i, reader) for i, readers in fast.items() for reader in readers]
+        # in groups whose gradients together hold at most the region's vectors (or one
+        # reader's): a deep residual stream reads a layer scale in every block
+        room = max(grads[0, 0].numel(), source.reader_numel)
+        while found:
+            group = [found.pop(0)]
+            held = edge_numel(group[0][1].edge) // n
+            while found and held + edge_numel(found[0][1].edge) // n <= room:
+                held += edge_numel(found[0][1].edge) // n
+                group.append(found.pop(0))
+            with blocked(source.frontier):
+                results = list(batched_grad(
+                    [source.target], [reader.edge for _, reader in group], [grads]
+                ))  # fmt: skip
+            for k, (i, reader) in enumerate(group):
+                value, results[k] = results[k], None
+                if value is None:
+                    continue
+                if isinstance(reader, Gather):
+                    add(i, None, scatter_rows_per_sample(reader, value, n))
+                else:
+                    add(i, None, reader.per_sample(value, n))
+                del value
+        # any other parameter: one pass per sample, the other samples' vectors zero
+        # (a lookup's gradients added into rows: batched over columns)
         wanted: list[tuple[int, Gather | None]] = []
         for i in source.params:
-            wanted += [(i, g) for g in source.gathers.get(i, [None])]
+            if i not in fast:
+                wanted += [(i, g) for g in source.gathers.get(i, [None])]
+        if not wanted:
+            return
         inputs = [recording.params[i] if g is None else g.edge for i, g in wanted]
         masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
         for sample in range(n):
@@ -472,13 +520,8 @@ class _Products(Quantity):
             with blocked(source.frontier):
                 results = batched_grad([source.target], inputs, [masked])
             for (i, gather), value in zip(wanted, results, strict=True):
-                if value is None:
-                    continue
-                if gather is not None:
-                    value = scatter_rows(gather, value)
-                if i not in buffers:
-                    buffers[i] = value.new_zeros(v, n, *value.shape[1:])
-                buffers[i][:, sample] += value
+                if value is not None:
+                    add(i, sample, value if gather is None else scatter_rows(gather, value))
             # only now: with one sample, autograd may return ``masked`` itself (or a
             # view of it) as a parameter's gradient
             masked[:, sample] = 0

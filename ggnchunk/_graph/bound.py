@@ -89,15 +89,19 @@ class MemoryBound(Traversal):
                         buffers += 2 * (source.numel + sum(c.out_numel for c in ends))
                         buffers += -(-source.workspace // n)
                     if source.params:  # the parameters' products: dense vectors
-                        buffers += source.numel + sum(
-                            self._params[i].numel() for i in source.params
-                        )
+                        buffers += (
+                            source.numel + 2 * source.reader_numel
+                            + sum(self._params[i].numel() for i in source.params)
+                        )  # fmt: skip
                     settle(size + added + max(buffers, source.inner))
                 return outs
             added = sum(call.out_numel for call in ends)
             buffers = max(2 * (size + added), source.inner) + -(-source.workspace // n)
             if source.params:
-                buffers += size + sum(self._params[i].numel() for i in source.params)
+                # the samples' vectors one at a time, or the readers' gradients (a
+                # group at most the region's size, and one scaled copy of a reader's)
+                buffers += size + 2 * source.reader_numel
+                buffers += sum(self._params[i].numel() for i in source.params)
             settle(size + added + buffers)
             return [(call.out_edge, call.out_numel) for call in ends]
 

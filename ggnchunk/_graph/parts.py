@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from ggnchunk._autograd import (
+    Broadcast,
     EdgeKey,
     Gather,
     GradientEdge,
@@ -59,6 +60,16 @@ class _Source:
     # parameters read in the glue only by embedding lookups: their products are the
     # gradients at the lookups' outputs added into rows (batched over columns)
     gathers: dict[int, list[Gather]] = field(default_factory=dict)
+    # parameters read in the glue only broadcast over the samples (a position table
+    # added, a class token expanded, a layer scale): their products are the gradients
+    # at the readers' outputs summed per sample (batched over columns and samples)
+    broadcasts: dict[int, list[Broadcast]] = field(default_factory=dict)
+    # whether the readers' outputs (gathers and broadcasts) hold the samples on axis 0,
+    # proven once per recording (None: not yet)
+    per_sample: bool | None = None
+    # elements per column and sample of the largest reader's output (gathers and
+    # broadcasts): the gradients taken there, in groups of at most the region's size
+    reader_numel: int = 0
 
 
 class _Waiting:

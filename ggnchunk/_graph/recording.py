@@ -14,12 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._autograd import (
+    Broadcast,
     EdgeKey,
     Gather,
     GradientEdge,
     Node,
     accumulated_variable,
+    broadcast_of,
     edge_key,
+    edge_numel,
     edge_of,
     first_global_forward_hook,
     gather_of,
@@ -304,8 +307,8 @@ class Recording(Sweeps, MemoryBound, Checks):
             node = source.target.node
         frontier: dict[EdgeKey, GradientEdge] = {}
         params: set[int] = set()
-        gathers: dict[int, list[Gather]] = {}
-        other: set[int] = set()  # parameters read by anything but an embedding lookup
+        # every reader of a parameter: an embedding lookup, a broadcast, or None (other)
+        readers: dict[int, list[Gather | Broadcast | None]] = {}
         stack, seen = [node], set()
         inner = 0
         while stack:
@@ -320,8 +323,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 if id(variable) in self._param_index:
                     params.add(self._param_index[id(variable)])
                 continue
-            gather = None
-            for nxt, number in current.next_functions:
+            for position, (nxt, number) in enumerate(current.next_functions):
                 if nxt is None:
                     continue
                 key = edge_key((nxt, number))
@@ -332,21 +334,31 @@ class Recording(Sweeps, MemoryBound, Checks):
                 variable = accumulated_variable(nxt)
                 if variable is None or id(variable) not in self._param_index:
                     continue
-                index = self._param_index[id(variable)]
-                gather = gather or gather_of(current)
-                if gather is None:
-                    other.add(index)
-                else:
-                    gathers.setdefault(index, []).append(gather)
+                reader = gather_of(current) or broadcast_of(current, position, variable)
+                readers.setdefault(self._param_index[id(variable)], []).append(reader)
         source.frontier = list(frontier.values())
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
-        source.gathers = {i: g for i, g in gathers.items() if i not in other}
+        source.gathers = _only(readers, Gather)
+        source.broadcasts = _only(readers, Broadcast)
+        sizes = [
+            edge_numel(reader.edge)
+            for found in (*source.gathers.values(), *source.broadcasts.values())
+            for reader in found
+        ]
+        source.reader_numel = -(-max(sizes, default=0) // self._batch)
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The trainable parameters, in ``named_parameters()`` order."""
         return self._params
+
+
+def _only(readers: dict[int, list[Any]], kind: type) -> dict[int, list[Any]]:
+    """The parameters whose every reader is of ``kind``, with their readers."""
+    return {
+        i: found for i, found in readers.items() if all(isinstance(r, kind) for r in found)
+    }
 
 
 def _gradients_numel(node: Node) -> int:

@@ -1,0 +1,182 @@
+"""Glue parameters whose products are read per sample off one pass, and the proof of it.
+
+A parameter read in the glue only broadcast over the samples (a position table added, a
+class token expanded, a layer scale multiplied, ``alpha`` of an addition or subtraction)
+or only by embedding lookups gets each sample's products from one backward pass to its
+readers' outputs, sliced on their axis 0, instead of one pass per sample. That slicing
+is exact only where axis 0 holds the samples, which the engine proves on the recorded
+graph once per glue region; a sequence-first model whose token count equals the batch
+size passes every shape test and must fail the proof (its answer is wrong without it).
+
+Every case is compared with the float64 brute force: the batch's diagonal in several
+chunkings and each sample's diagonal (``per_sample=True``), at batch sizes 1, 2, 3 and 5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ggnchunk
+import ggnchunk._graph.checks as checks
+from tests.reference import assert_diag_close, reference_diag_ggn
+from tests.rules.test_batch_of_one import PositionsAndClassToken
+
+D, T = 4, 3
+
+
+class LayerScale(nn.Module):
+    """CaiT/ConvNeXt-style layer scales, on either side of the product."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.gamma = nn.Parameter(torch.randn(D))
+        self.beta = nn.Parameter(torch.randn(1, 1, D))
+
+    def forward(self, x):
+        h = x + self.gamma * self.lin(x)
+        h = h + torch.tanh(h) * self.beta
+        return self.lin(h).flatten(1)
+
+
+class Offsets(nn.Module):
+    """Additions and subtractions with ``alpha``, the parameter on either side."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.a = nn.Parameter(torch.randn(T, D))
+        self.b = nn.Parameter(torch.randn(1, T, 1))
+        self.c = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        h = torch.add(x, self.a, alpha=-0.5)
+        h = torch.sub(h, self.b, alpha=2.0)
+        h = torch.sin(self.c - h)
+        return self.lin(h).mean(1)
+
+
+class LookupsAndPositions(nn.Module):
+    """Token ids looked up in a table (``F.embedding`` in the glue) plus positions."""
+
+    def __init__(self, vocab: int = 7):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, D))
+        self.pos = nn.Parameter(torch.randn(1, T, D))
+        self.lin = nn.Linear(D, 5)
+
+    def forward(self, ids):
+        h = F.embedding(ids, self.table, padding_idx=0) + self.pos
+        return self.lin(torch.tanh(h)).sum(1)
+
+
+class SequenceFirst(nn.Module):
+    """Tokens first (``[T, N, D]``), a bias broadcast along axis 0 (not the samples').
+
+    With ``T == N`` its shapes match a batch-first model's.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.randn(1, 1, D))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = self.lin(x).transpose(0, 1) + self.bias  # [T, N, D]
+        return self.head(torch.tanh(h).transpose(0, 1)).flatten(1)
+
+
+def _inputs(name: str, n: int) -> torch.Tensor:
+    if name == "lookups":
+        ids = torch.randint(0, 7, (n, T))
+        ids[0, 0] = 0  # the padding row
+        return ids
+    if name == "sequence-first":
+        return torch.randn(n, n, D, dtype=torch.float64)  # T == N
+    return torch.randn(n, T, D, dtype=torch.float64)
+
+
+MODELS = {
+    "positions-class-token": (lambda: PositionsAndClassToken(T, D), "ce"),
+    "layer-scale": (LayerScale, "mse"),
+    "offsets-alpha": (Offsets, "mse"),
+    "lookups": (LookupsAndPositions, "ce"),
+    "sequence-first": (SequenceFirst, "mse"),
+}
+# whether the samples' axis is proven (for batches of two or more)
+PROVEN = {name: name != "sequence-first" for name in MODELS}
+
+
+def _problem(name: str, n: int, seed: int = 0):
+    torch.manual_seed(seed)
+    build, loss = MODELS[name]
+    model = build().double()
+    x = _inputs(name, n)
+    with torch.no_grad():
+        out = model(x)
+    if loss == "ce":
+        return model, nn.CrossEntropyLoss(), x, torch.randint(0, out.shape[1], (n,))
+    return model, nn.MSELoss(reduction="sum"), x, torch.randn_like(out)
+
+
+@pytest.fixture
+def proofs(monkeypatch):
+    """The proofs' answers in order (the engine's own function, watched)."""
+    seen: list[bool] = []
+    prove = checks._samples_on_axis0
+
+    def watched(*args):
+        seen.append(prove(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(checks, "_samples_on_axis0", watched)
+    return seen
+
+
+CHUNKINGS = [{}, {"chunk_size": 1}, {"num_chunks": 2, "batch_chunk_size": 2}]
+
+
+@pytest.mark.parametrize("kwargs", CHUNKINGS, ids=["onepass", "size1", "chunks2-sub2"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_glue_readers_match_the_brute_force(name, n, kwargs, proofs):
+    model, loss_func, x, y = _problem(name, n)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, expected, rtol=1e-10, label=f"{name} N={n} {kwargs}")
+    assert proofs, "the glue's parameters were not read per sample"
+    sub_batch = min(n, kwargs.get("batch_chunk_size", n))
+    if sub_batch >= 2:
+        assert proofs[0] is PROVEN[name]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_glue_readers_per_sample(name, n):
+    model, loss_func, x, y = _problem(name, n, seed=1)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True, num_chunks=2)
+    sum_loss = type(loss_func)(reduction="sum")
+    scale = 1.0 / n if getattr(loss_func, "reduction", "sum") == "mean" else 1.0
+    for i in range(n):
+        expected = reference_diag_ggn(model, sum_loss, x[i : i + 1], y[i : i + 1])
+        assert_diag_close(
+            {k: v[i] for k, v in got.items()},
+            {k: scale * v for k, v in expected.items()},
+            rtol=1e-10, label=f"{name} sample {i} of {n}",
+        )  # fmt: skip
+    total = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close({k: v.sum(0) for k, v in got.items()}, total, rtol=1e-10)
+
+
+def test_without_the_proof_the_sequence_first_answer_is_wrong(monkeypatch):
+    """The proof is what keeps the slicing exact: forced, the answer is off."""
+    model, loss_func, x, y = _problem("sequence-first", 3)
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    monkeypatch.setattr(checks, "_samples_on_axis0", lambda *args: True)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y)
+    error = (got["bias"] - expected["bias"]).abs().max() / expected["bias"].abs().max()
+    assert error > 1e-3
