@@ -53,6 +53,7 @@ __all__ = [
     "output_count",
     "plain_grad",
     "quiet_autograd",
+    "reshaped_variable",
     "saved_value",
     "scatter_rows",
     "scatter_rows_per_sample",
@@ -306,7 +307,8 @@ class Broadcast:
     param: torch.Size
     dtype: torch.dtype
     scale: float = 1.0
-    factor: Tensor | None = None  # the other factor of a product
+    # the other factor of a product, or a norm's normalized input (made when asked)
+    factor: Tensor | Callable[[], Tensor] | None = None
 
     def per_sample(self, grads: Tensor, samples: int) -> Tensor:
         """Each sample's gradient of the parameter from the node's output gradients.
@@ -320,7 +322,7 @@ class Broadcast:
             ``[V, N, *param]``.
         """
         if self.factor is not None:
-            grads = grads * self.factor
+            grads = grads * (self.factor() if callable(self.factor) else self.factor)
         elif self.scale != 1.0:
             grads = grads * self.scale
         v = grads.shape[0]
@@ -331,30 +333,88 @@ class Broadcast:
         return summed.reshape(v, samples, *self.param).to(self.dtype)
 
 
-_BROADCASTING = frozenset(
-    {"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"}
-)
+_BROADCASTING = frozenset({
+    "AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0",
+    "NativeLayerNormBackward0", "NativeGroupNormBackward0",
+})  # fmt: skip
 
 
-def broadcast_of(node: Node, position: int, variable: Tensor) -> Broadcast | None:
+def _normalized(node: Node) -> Callable[[], Tensor]:
+    """The normalized input ``x̂`` of a layer or group norm's node, made when asked."""
+
+    def make() -> Tensor:
+        x = saved_value(node, "input")
+        mean, rstd = saved_value(node, "result1"), saved_value(node, "result2")
+        if node.name() == "NativeLayerNormBackward0":
+            return (x - mean) * rstd
+        n, groups = x.shape[0], int(saved_value(node, "group"))
+        stats = (n, groups, 1)
+        flat = x.reshape(n, groups, -1)
+        return ((flat - mean.reshape(stats)) * rstd.reshape(stats)).reshape(x.shape)
+
+    return make
+
+
+# views that keep the elements' order: a gradient through them is a reshape
+_RESHAPES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
+})  # fmt: skip
+
+
+def reshaped_variable(node: Node) -> tuple[Tensor, torch.Size] | None:
+    """The leaf behind a chain of order-keeping views (``gamma.view(1, -1, 1, 1)``).
+
+    Args:
+        node: A node of the autograd graph.
+
+    Returns:
+        ``(leaf, shape the chain's first node outputs)``, or ``None`` where ``node`` is
+        not such a chain ending at an ``AccumulateGrad``.
+    """
+    shape = grad_shape(node, 0) if node.name() in _RESHAPES else None
+    if shape is None:
+        return None
+    current = node
+    while current.name() in _RESHAPES:
+        inputs = [nxt for nxt, _ in current.next_functions if nxt is not None]
+        if len(inputs) != 1 or output_count(current) != 1:
+            return None
+        current = inputs[0]
+    variable = accumulated_variable(current)
+    if variable is None or variable.numel() != shape.numel():
+        return None
+    return variable, shape
+
+
+def broadcast_of(
+    node: Node, position: int, variable: Tensor, shape: torch.Size | None = None
+) -> Broadcast | None:
     """The :class:`Broadcast` of ``node`` reading ``variable`` at input ``position``.
 
     Args:
         node: A node of the autograd graph.
         position: Which of its inputs (``next_functions``) is the parameter.
         variable: The parameter.
+        shape: The shape the node reads it in (through views; default its own).
 
     Returns:
         The reader, or ``None`` where the node is of another kind, or the parameter is
         not broadcast along the output's axis 0 (it has the samples' size there).
     """
     name = node.name()
-    if name not in _BROADCASTING or output_count(node) != 1:
+    norm = name in ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
+    if name not in _BROADCASTING or (output_count(node) != 1 and not norm):
         return None
     if variable.is_complex() or not variable.is_floating_point():
         return None
     out = grad_shape(node, 0)
-    shape = variable.shape
+    if norm:  # the affine weight (1) and bias (2); a group norm's act on axis 1
+        if position == 0 or out is None or (shape is not None and len(shape) != 1):
+            return None
+        if name == "NativeGroupNormBackward0":
+            shape = torch.Size((variable.numel(),) + (1,) * (len(out) - 2))
+    shape = variable.shape if shape is None else shape
     if out is None or len(out) < max(1, len(shape)):
         return None
     aligned = torch.Size((1,) * (len(out) - len(shape)) + tuple(shape))
@@ -366,12 +426,16 @@ def broadcast_of(node: Node, position: int, variable: Tensor) -> Broadcast | Non
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
             return None
         scale = float(alpha) * (-1.0 if name == "SubBackward0" else 1.0)
+    elif norm and position == 1:
+        factor = _normalized(node)
     elif name == "MulBackward0":
         other = saved_value(node, "other" if position == 0 else "self")
         if not isinstance(other, Tensor) or other.is_complex():
             return None
         factor = other.detach()
-    return Broadcast(GradientEdge(node, 0), aligned, shape, variable.dtype, scale, factor)
+    return Broadcast(
+        GradientEdge(node, 0), aligned, variable.shape, variable.dtype, scale, factor
+    )
 
 
 class SlowBackwardWarning(UserWarning):

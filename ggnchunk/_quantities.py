@@ -30,6 +30,7 @@ Monte-Carlo columns (:class:`Sampling`) replace the exact square root for any of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -511,8 +512,27 @@ class _Products(Quantity):
         for i in source.params:
             if i not in fast:
                 wanted += [(i, g) for g in source.gathers.get(i, [None])]
-        if not wanted:
-            return
+        if wanted:
+            _Products._one_sample_at_a_time(recording, source, grads, wanted, add)
+
+    @staticmethod
+    def _one_sample_at_a_time(
+        recording: Recording,
+        source: _Source,
+        grads: Tensor,
+        wanted: list[tuple[int, Gather | None]],
+        add: Callable[[int, int | None, Tensor], None],
+    ) -> None:
+        """The products of ``wanted`` parameters, one backward pass per sample.
+
+        Args:
+            recording: The recording.
+            source: The glue region.
+            grads: ``[V, N, ...]`` vectors at its start.
+            wanted: ``(parameter index, its lookup or None)`` pairs.
+            add: Adds ``[V, *param]`` products of one sample to the buffers.
+        """
+        n = grads.shape[1]
         inputs = [recording.params[i] if g is None else g.edge for i, g in wanted]
         masked = torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
         for sample in range(n):

@@ -29,6 +29,7 @@ from ggnchunk._autograd import (
     global_forward_hooks,
     grad_shape,
     output_count,
+    reshaped_variable,
 )
 from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
@@ -329,6 +330,15 @@ class Recording(Sweeps, MemoryBound, Checks):
                 key = edge_key((nxt, number))
                 if key in self._out_keys:
                     frontier[key] = self.calls[self._out_keys[key]].out_edge
+                    continue
+                viewed = reshaped_variable(nxt)  # a parameter behind views
+                if viewed is not None and id(viewed[0]) in self._param_index:
+                    # the views are the reader's business: not walked (they would
+                    # count as another reader)
+                    index = self._param_index[id(viewed[0])]
+                    params.add(index)
+                    reader = broadcast_of(current, position, *viewed)
+                    readers.setdefault(index, []).append(reader)
                     continue
                 stack.append(nxt)
                 variable = accumulated_variable(nxt)

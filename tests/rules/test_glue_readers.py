@@ -1,12 +1,14 @@
 """Glue parameters whose products are read per sample off one pass, and the proof of it.
 
 A parameter read in the glue only broadcast over the samples (a position table added, a
-class token expanded, a layer scale multiplied, ``alpha`` of an addition or subtraction)
-or only by embedding lookups gets each sample's products from one backward pass to its
-readers' outputs, sliced on their axis 0, instead of one pass per sample. That slicing
-is exact only where axis 0 holds the samples, which the engine proves on the recorded
-graph once per glue region; a sequence-first model whose token count equals the batch
-size passes every shape test and must fail the proof (its answer is wrong without it).
+class token expanded, a layer scale multiplied, ``alpha`` of an addition or subtraction,
+a functional layer or group norm's affine weight and bias; also through views such as
+``gamma.reshape(1, -1, 1, 1)``) or only by embedding lookups gets each sample's products
+from one backward pass to its readers' outputs, sliced on their axis 0, instead of one
+pass per sample. That slicing is exact only where axis 0 holds the samples, which the
+engine proves on the recorded graph once per glue region; a sequence-first model whose
+token count equals the batch size passes every shape test and must fail the proof (its
+answer is wrong without it).
 
 Every case is compared with the float64 brute force: the batch's diagonal in several
 chunkings and each sample's diagonal (``per_sample=True``), at batch sizes 1, 2, 3 and 5.
@@ -21,6 +23,7 @@ from torch import nn
 
 import ggnchunk
 import ggnchunk._graph.checks as checks
+from ggnchunk._quantities import _Products
 from tests.reference import assert_diag_close, reference_diag_ggn
 from tests.rules.test_batch_of_one import PositionsAndClassToken
 
@@ -90,6 +93,49 @@ class SequenceFirst(nn.Module):
         return self.head(torch.tanh(h).transpose(0, 1)).flatten(1)
 
 
+class ConvNeXtLike(nn.Module):
+    """Norms and layer scales in the glue, as timm's and transformers' ConvNeXts write them.
+
+    timm's ``LayerNorm2d`` (permute, ``F.layer_norm``, permute back) and
+    ``x.mul(gamma.reshape(1, -1, 1, 1))``; HF's channels-first norm
+    (``weight[:, None, None] * x + bias[:, None, None]``); ``F.group_norm`` on a 1-D map
+    and a weight-only layer norm: parameters read through views and by the norms' nodes.
+    """
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(2, c, 3, padding=1)
+        self.ln_weight, self.ln_bias = (
+            nn.Parameter(torch.randn(c)),
+            nn.Parameter(torch.randn(c)),
+        )
+        self.gamma = nn.Parameter(torch.randn(c))
+        self.cf_weight, self.cf_bias = (
+            nn.Parameter(torch.randn(c)),
+            nn.Parameter(torch.randn(c)),
+        )
+        self.gn_weight, self.gn_bias = (
+            nn.Parameter(torch.randn(c)),
+            nn.Parameter(torch.randn(c)),
+        )
+        self.only_weight = nn.Parameter(torch.randn(c))
+        self.conv2 = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        ln = F.layer_norm(
+            h.permute(0, 2, 3, 1), (h.shape[1],), self.ln_weight, self.ln_bias
+        )
+        h = h + ln.permute(0, 3, 1, 2).mul(self.gamma.reshape(1, -1, 1, 1))
+        u = h.mean(1, keepdim=True)
+        s = (h - u).pow(2).mean(1, keepdim=True)
+        h = self.cf_weight[:, None, None] * ((h - u) / torch.sqrt(s + 1e-6))
+        h = h + self.cf_bias[:, None, None]
+        g = F.group_norm(h.flatten(2), 2, self.gn_weight, self.gn_bias).view_as(h)
+        g = F.layer_norm(g.transpose(1, 3), (g.shape[1],), self.only_weight).transpose(1, 3)
+        return self.conv2(torch.tanh(g)).flatten(1)
+
+
 def _inputs(name: str, n: int) -> torch.Tensor:
     if name == "lookups":
         ids = torch.randint(0, 7, (n, T))
@@ -97,6 +143,8 @@ def _inputs(name: str, n: int) -> torch.Tensor:
         return ids
     if name == "sequence-first":
         return torch.randn(n, n, D, dtype=torch.float64)  # T == N
+    if name == "convnext-norms":
+        return torch.randn(n, 2, 3, 3, dtype=torch.float64)
     return torch.randn(n, T, D, dtype=torch.float64)
 
 
@@ -106,6 +154,7 @@ MODELS = {
     "offsets-alpha": (Offsets, "mse"),
     "lookups": (LookupsAndPositions, "ce"),
     "sequence-first": (SequenceFirst, "mse"),
+    "convnext-norms": (ConvNeXtLike, "mse"),
 }
 # whether the samples' axis is proven (for batches of two or more)
 PROVEN = {name: name != "sequence-first" for name in MODELS}
@@ -125,15 +174,21 @@ def _problem(name: str, n: int, seed: int = 0):
 
 @pytest.fixture
 def proofs(monkeypatch):
-    """The proofs' answers in order (the engine's own function, watched)."""
-    seen: list[bool] = []
+    """The proofs' answers in order, and ``"slow"`` for each pass per sample."""
+    seen: list[bool | str] = []
     prove = checks._samples_on_axis0
+    slow = _Products._one_sample_at_a_time
 
     def watched(*args):
         seen.append(prove(*args))
         return seen[-1]
 
+    def one_at_a_time(*args):
+        seen.append("slow")
+        return slow(*args)
+
     monkeypatch.setattr(checks, "_samples_on_axis0", watched)
+    monkeypatch.setattr(_Products, "_one_sample_at_a_time", staticmethod(one_at_a_time))
     return seen
 
 
@@ -152,6 +207,8 @@ def test_glue_readers_match_the_brute_force(name, n, kwargs, proofs):
     sub_batch = min(n, kwargs.get("batch_chunk_size", n))
     if sub_batch >= 2:
         assert proofs[0] is PROVEN[name]
+    # every glue parameter of the proven models is read off one pass per region
+    assert ("slow" in proofs) is not PROVEN[name] or sub_batch == 1
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
