@@ -28,7 +28,6 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
     "BatchNormBase",
-    "Broadcast",
     "Edge",
     "Gather",
     "GradientEdge",
@@ -38,7 +37,6 @@ __all__ = [
     "apply_node",
     "batched_grad",
     "blocked",
-    "broadcast_of",
     "edge_key",
     "edge_numel",
     "edge_of",
@@ -53,10 +51,8 @@ __all__ = [
     "output_count",
     "plain_grad",
     "quiet_autograd",
-    "reshaped_variable",
     "saved_value",
     "scatter_rows",
-    "scatter_rows_per_sample",
 ]
 
 Edge = GradientEdge
@@ -262,180 +258,6 @@ def scatter_rows(gather: Gather, grads: Tensor) -> Tensor:
     if gather.padding_idx is not None:
         rows[:, gather.padding_idx] = 0.0
     return rows
-
-
-def scatter_rows_per_sample(gather: Gather, grads: Tensor, samples: int) -> Tensor:
-    """Each sample's weight gradients of a :class:`Gather` (its lookups on axis 0).
-
-    Args:
-        gather: The embedding node; ``indices.shape[0]`` is ``samples`` (proven by the
-            caller) unless there is one sample.
-        grads: ``[V, *indices.shape, D]``, the gradients at the node's output.
-        samples: ``N``.
-
-    Returns:
-        ``[V, N, rows, D]``.
-    """
-    if samples == 1:
-        return scatter_rows(gather, grads).unsqueeze(1)
-    v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
-    offsets = torch.arange(samples, device=grads.device).mul_(rows)
-    index = gather.indices.reshape(samples, -1) + offsets[:, None]
-    out = grads.new_zeros(v, samples * rows, dim)
-    out.index_add_(1, index.reshape(-1), grads.reshape(v, -1, dim))
-    out = out.view(v, samples, rows, dim)
-    if gather.padding_idx is not None:
-        out[:, :, gather.padding_idx] = 0.0
-    return out
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """A node reading a parameter broadcast over the samples' axis of its output.
-
-    A learned position table added to the tokens (``x + pos``, ``pos`` ``[1, T, D]``),
-    a class token expanded to the batch (``cls.expand(N, -1, -1)``), a layer scale
-    (``gamma * x``): the gradient of the parameter from one sample is the gradient at
-    the node's output on that sample's slice, scaled (by ``alpha``, or times the other
-    factor) and summed to the parameter's shape. So every sample's products come from
-    one backward pass to the node's output instead of one pass per sample, provided
-    the output's axis 0 holds the samples (proven per recording by the caller).
-    """
-
-    edge: GradientEdge  # the node's output: where the gradient is taken
-    aligned: torch.Size  # the parameter's shape, left-padded with ones to the output's
-    param: torch.Size
-    dtype: torch.dtype
-    scale: float = 1.0
-    # the other factor of a product, or a norm's normalized input (made when asked)
-    factor: Tensor | Callable[[], Tensor] | None = None
-
-    def per_sample(self, grads: Tensor, samples: int) -> Tensor:
-        """Each sample's gradient of the parameter from the node's output gradients.
-
-        Args:
-            grads: ``[V, *out]``, the gradients at the node's output; ``out[0]`` is the
-                samples' axis (``N``) unless there is one sample.
-            samples: ``N``.
-
-        Returns:
-            ``[V, N, *param]``.
-        """
-        if self.factor is not None:
-            grads = grads * (self.factor() if callable(self.factor) else self.factor)
-        elif self.scale != 1.0:
-            grads = grads * self.scale
-        v = grads.shape[0]
-        if samples == 1:
-            summed = grads.sum_to_size(v, *self.aligned)
-        else:
-            summed = grads.sum_to_size(v, samples, *self.aligned[1:])
-        return summed.reshape(v, samples, *self.param).to(self.dtype)
-
-
-_BROADCASTING = frozenset({
-    "AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0",
-    "NativeLayerNormBackward0", "NativeGroupNormBackward0",
-})  # fmt: skip
-
-
-def _normalized(node: Node) -> Callable[[], Tensor]:
-    """The normalized input ``x̂`` of a layer or group norm's node, made when asked."""
-
-    def make() -> Tensor:
-        x = saved_value(node, "input")
-        mean, rstd = saved_value(node, "result1"), saved_value(node, "result2")
-        if node.name() == "NativeLayerNormBackward0":
-            return (x - mean) * rstd
-        n, groups = x.shape[0], int(saved_value(node, "group"))
-        stats = (n, groups, 1)
-        flat = x.reshape(n, groups, -1)
-        return ((flat - mean.reshape(stats)) * rstd.reshape(stats)).reshape(x.shape)
-
-    return make
-
-
-# views that keep the elements' order: a gradient through them is a reshape
-_RESHAPES = frozenset({
-    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
-    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
-})  # fmt: skip
-
-
-def reshaped_variable(node: Node) -> tuple[Tensor, torch.Size] | None:
-    """The leaf behind a chain of order-keeping views (``gamma.view(1, -1, 1, 1)``).
-
-    Args:
-        node: A node of the autograd graph.
-
-    Returns:
-        ``(leaf, shape the chain's first node outputs)``, or ``None`` where ``node`` is
-        not such a chain ending at an ``AccumulateGrad``.
-    """
-    shape = grad_shape(node, 0) if node.name() in _RESHAPES else None
-    if shape is None:
-        return None
-    current = node
-    while current.name() in _RESHAPES:
-        inputs = [nxt for nxt, _ in current.next_functions if nxt is not None]
-        if len(inputs) != 1 or output_count(current) != 1:
-            return None
-        current = inputs[0]
-    variable = accumulated_variable(current)
-    if variable is None or variable.numel() != shape.numel():
-        return None
-    return variable, shape
-
-
-def broadcast_of(
-    node: Node, position: int, variable: Tensor, shape: torch.Size | None = None
-) -> Broadcast | None:
-    """The :class:`Broadcast` of ``node`` reading ``variable`` at input ``position``.
-
-    Args:
-        node: A node of the autograd graph.
-        position: Which of its inputs (``next_functions``) is the parameter.
-        variable: The parameter.
-        shape: The shape the node reads it in (through views; default its own).
-
-    Returns:
-        The reader, or ``None`` where the node is of another kind, or the parameter is
-        not broadcast along the output's axis 0 (it has the samples' size there).
-    """
-    name = node.name()
-    norm = name in ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
-    if name not in _BROADCASTING or (output_count(node) != 1 and not norm):
-        return None
-    if variable.is_complex() or not variable.is_floating_point():
-        return None
-    out = grad_shape(node, 0)
-    if norm:  # the affine weight (1) and bias (2); a group norm's act on axis 1
-        if position == 0 or out is None or (shape is not None and len(shape) != 1):
-            return None
-        if name == "NativeGroupNormBackward0":
-            shape = torch.Size((variable.numel(),) + (1,) * (len(out) - 2))
-    shape = variable.shape if shape is None else shape
-    if out is None or len(out) < max(1, len(shape)):
-        return None
-    aligned = torch.Size((1,) * (len(out) - len(shape)) + tuple(shape))
-    if aligned[0] != 1 or any(a not in (1, o) for a, o in zip(aligned, out, strict=True)):
-        return None
-    scale, factor = 1.0, None
-    if name in ("AddBackward0", "SubBackward0") and position == 1:
-        alpha = saved_value(node, "alpha")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            return None
-        scale = float(alpha) * (-1.0 if name == "SubBackward0" else 1.0)
-    elif norm and position == 1:
-        factor = _normalized(node)
-    elif name == "MulBackward0":
-        other = saved_value(node, "other" if position == 0 else "self")
-        if not isinstance(other, Tensor) or other.is_complex():
-            return None
-        factor = other.detach()
-    return Broadcast(
-        GradientEdge(node, 0), aligned, variable.shape, variable.dtype, scale, factor
-    )
 
 
 class SlowBackwardWarning(UserWarning):

@@ -43,9 +43,9 @@ from ggnchunk._autograd import (
     edge_numel,
     plain_grad,
     scatter_rows,
-    scatter_rows_per_sample,
 )
 from ggnchunk._distributed import all_reduce_sum
+from ggnchunk._graph.readers import per_sample as read_per_sample
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
 
@@ -479,32 +479,28 @@ class _Products(Quantity):
             else:
                 buffers[i][:, sample] += value
 
-        # parameters read only by embedding lookups or broadcast over the samples: every
-        # sample's products off one pass to the readers' outputs (torch's vmap loops
-        # over embedding_backward; a pass per sample costs N times the region)
+        # parameters whose readers are proven per sample (:mod:`._graph.readers`): every
+        # sample's products off one pass to the readers' outputs (a pass per sample costs
+        # N times the region)
         fast = recording.per_sample_readers(source, grads)
-        found = [(i, reader) for i, readers in fast.items() for reader in readers]
+        found = [(i, pair) for i, pairs in fast.items() for pair in pairs]
         # in groups whose gradients together hold at most the region's vectors (or one
         # reader's): a deep residual stream reads a layer scale in every block
         room = max(grads[0, 0].numel(), source.reader_numel)
         while found:
             group = [found.pop(0)]
-            held = edge_numel(group[0][1].edge) // n
-            while found and held + edge_numel(found[0][1].edge) // n <= room:
-                held += edge_numel(found[0][1].edge) // n
+            held = edge_numel(group[0][1][0].edge) // n
+            while found and held + edge_numel(found[0][1][0].edge) // n <= room:
+                held += edge_numel(found[0][1][0].edge) // n
                 group.append(found.pop(0))
             with blocked(source.frontier):
                 results = list(batched_grad(
-                    [source.target], [reader.edge for _, reader in group], [grads]
+                    [source.target], [reader.edge for _, (reader, _) in group], [grads]
                 ))  # fmt: skip
-            for k, (i, reader) in enumerate(group):
+            for k, (i, (reader, stride)) in enumerate(group):
                 value, results[k] = results[k], None
-                if value is None:
-                    continue
-                if isinstance(reader, Gather):
-                    add(i, None, scatter_rows_per_sample(reader, value, n))
-                else:
-                    add(i, None, reader.per_sample(value, n))
+                if value is not None:
+                    add(i, None, read_per_sample(reader, value, n, stride))
                 del value
         # any other parameter: one pass per sample, the other samples' vectors zero
         # (a lookup's gradients added into rows: batched over columns)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ggnchunk._autograd import Broadcast, Gather, batched_grad, blocked
 from ggnchunk._graph.parts import SampleCouplingError, _display, _Source
+from ggnchunk._graph.readers import Reader, sample_strides
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
+
+# the internal switch (benchmarks, tests): False takes one pass per sample for every glue
+# parameter, as before the readers were read per sample
+READ_PER_SAMPLE = True
 
 
 class Checks(Traversal):
@@ -103,63 +107,28 @@ class Checks(Traversal):
 
     def per_sample_readers(
         self, source: _Source, grads: Tensor
-    ) -> dict[int, list[Gather | Broadcast]]:
+    ) -> dict[int, list[tuple[Reader, int]]]:
         """The glue's parameters whose products are read per sample off one pass.
 
-        A parameter read only by embedding lookups or broadcasts over the samples gets
-        each sample's products from the gradients at its readers' outputs, sliced on
-        their axis 0, where that axis holds the samples. Shapes cannot prove it (a
-        sequence-first ``[T, N, D]`` with ``T == N`` passes any shape test), so it is
-        proven on the recorded graph, once per region: random vectors from the samples
-        whose bit ``b`` of the index is 1 (then 0), for every bit, must reach only those
-        slices of every reader's output. Each sample then reaches only its own slice:
-        the slices that every one of its bits allows.
+        A parameter whose every reader (:mod:`.readers`) has its samples' stride proven
+        on the recorded graph (once per region, :func:`~.readers.sample_strides`).
 
         Args:
             source: The glue region.
             grads: ``[V, N, ...]`` vectors at its start (their shape, dtype, device).
 
         Returns:
-            The parameters and their readers; empty where none qualifies or the axis is
-            not the samples'.
+            The parameters with their readers and strides; empty where none qualifies.
         """
-        readers = {**source.gathers, **source.broadcasts}
-        if readers and source.per_sample is None:
-            source.per_sample = _samples_on_axis0(source, readers, grads)
-        return readers if source.per_sample else {}
-
-
-def _samples_on_axis0(
-    source: _Source, readers: dict[int, list[Gather | Broadcast]], grads: Tensor
-) -> bool:
-    n = grads.shape[1]
-    if n == 1:
-        return True  # one sample: its products are the whole gradient's
-    if not grads.is_floating_point():
-        return False
-    edges = [reader.edge for found in readers.values() for reader in found]
-    generator = torch.Generator(device=grads.device).manual_seed(0)
-    samples = torch.arange(n, device=grads.device)
-    masks = []
-    for bit in range((n - 1).bit_length()):
-        ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
-        masks += [ones, ~ones]
-    # as many probes per pass as the sweep's own columns (the budget's size)
-    step = max(1, grads.shape[0])
-    with blocked(source.frontier):
-        for start in range(0, len(masks), step):
-            part = torch.stack(masks[start : start + step])  # [P, N]
-            probe = torch.rand(
-                (len(part), *grads.shape[1:]), generator=generator, dtype=grads.dtype,
-                device=grads.device,
-            ).add_(0.5)  # fmt: skip
-            probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
-            for result in batched_grad([source.target], edges, [probe]):
-                if result is None:
-                    continue
-                if result.dim() < 2 or result.shape[1] != n:
-                    return False
-                reached = result.reshape(len(part), n, -1).ne(0).any(2)
-                if bool((reached & ~part).any()):
-                    return False
-    return True
+        if not READ_PER_SAMPLE or not source.readers:
+            return {}
+        found = [reader for readers in source.readers.values() for reader in readers]
+        if source.strides is None:
+            source.strides = sample_strides(source.target, source.frontier, found, grads)
+        strides = iter(source.strides)
+        result = {}
+        for i, readers in source.readers.items():
+            pairs = [(reader, next(strides)) for reader in readers]
+            if all(stride is not None for _, stride in pairs):
+                result[i] = pairs
+        return result

@@ -8,12 +8,12 @@ from typing import Any
 from torch import Tensor
 
 from ggnchunk._autograd import (
-    Broadcast,
     EdgeKey,
     Gather,
     GradientEdge,
     sole_storage_owner,
 )
+from ggnchunk._graph.readers import Reader
 from ggnchunk._rules import LayerRule, RuleContext
 from ggnchunk._windows import FieldCache
 from ggnchunk._windows import add as add_vectors
@@ -60,15 +60,14 @@ class _Source:
     # parameters read in the glue only by embedding lookups: their products are the
     # gradients at the lookups' outputs added into rows (batched over columns)
     gathers: dict[int, list[Gather]] = field(default_factory=dict)
-    # parameters read in the glue only broadcast over the samples (a position table
-    # added, a class token expanded, a layer scale): their products are the gradients
-    # at the readers' outputs summed per sample (batched over columns and samples)
-    broadcasts: dict[int, list[Broadcast]] = field(default_factory=dict)
-    # whether the readers' outputs (gathers and broadcasts) hold the samples on axis 0,
-    # proven once per recording (None: not yet)
-    per_sample: bool | None = None
-    # elements per column and sample of the largest reader's output (gathers and
-    # broadcasts): the gradients taken there, in groups of at most the region's size
+    # parameters whose every reader in the glue is a broadcast, a matrix product or a
+    # lookup (:mod:`.readers`): their products off one pass to the readers' outputs
+    readers: dict[int, list[Reader]] = field(default_factory=dict)
+    # the samples' stride at each reader's output (in ``readers``' order, flattened),
+    # proven once per recording (None: not yet; a None entry: not proven)
+    strides: list[int | None] | None = None
+    # elements per column and sample of the largest reader's output: the gradients
+    # taken there, in groups of at most the region's size
     reader_numel: int = 0
 
 

@@ -14,27 +14,24 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._autograd import (
-    Broadcast,
     EdgeKey,
     Gather,
     GradientEdge,
     Node,
     accumulated_variable,
-    broadcast_of,
     edge_key,
     edge_numel,
     edge_of,
     first_global_forward_hook,
-    gather_of,
     global_forward_hooks,
     grad_shape,
     output_count,
-    reshaped_variable,
 )
 from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
 from ggnchunk._graph.parts import Call, _display, _Source
+from ggnchunk._graph.readers import Broadcast, Product, Reader, param_behind, read_by
 from ggnchunk._graph.sweep import Sweeps
 from ggnchunk._rules import LayerRule, RuleContext
 from ggnchunk._windows import FieldCache
@@ -308,10 +305,15 @@ class Recording(Sweeps, MemoryBound, Checks):
             node = source.target.node
         frontier: dict[EdgeKey, GradientEdge] = {}
         params: set[int] = set()
-        # every reader of a parameter: an embedding lookup, a broadcast, or None (other)
-        readers: dict[int, list[Gather | Broadcast | None]] = {}
+        # every reader of a parameter (:mod:`.readers`), None for any other node
+        readers: dict[int, list[Reader | None]] = {}
         stack, seen = [node], set()
         inner = 0
+        root = accumulated_variable(node) if node is not None else None
+        if root is not None and id(root) in self._param_index:  # the glue is a parameter
+            index = self._param_index[id(root)]
+            params.add(index)
+            readers[index] = [None]
         while stack:
             current = stack.pop()
             if current is None or id(current) in seen:
@@ -319,11 +321,6 @@ class Recording(Sweeps, MemoryBound, Checks):
             seen.add(id(current))
             source.workspace += glue_workspace(current)
             inner = max(inner, _gradients_numel(current))
-            variable = accumulated_variable(current)
-            if variable is not None:
-                if id(variable) in self._param_index:
-                    params.add(self._param_index[id(variable)])
-                continue
             for position, (nxt, number) in enumerate(current.next_functions):
                 if nxt is None:
                     continue
@@ -331,30 +328,22 @@ class Recording(Sweeps, MemoryBound, Checks):
                 if key in self._out_keys:
                     frontier[key] = self.calls[self._out_keys[key]].out_edge
                     continue
-                viewed = reshaped_variable(nxt)  # a parameter behind views
-                if viewed is not None and id(viewed[0]) in self._param_index:
-                    # the views are the reader's business: not walked (they would
-                    # count as another reader)
-                    index = self._param_index[id(viewed[0])]
-                    params.add(index)
-                    reader = broadcast_of(current, position, *viewed)
-                    readers.setdefault(index, []).append(reader)
+                behind = param_behind(nxt)  # a parameter, maybe behind views or .T
+                if behind is None or id(behind[0]) not in self._param_index:
+                    stack.append(nxt)
                     continue
-                stack.append(nxt)
-                variable = accumulated_variable(nxt)
-                if variable is None or id(variable) not in self._param_index:
-                    continue
-                reader = gather_of(current) or broadcast_of(current, position, variable)
-                readers.setdefault(self._param_index[id(variable)], []).append(reader)
+                # the views are the reader's business: not walked (they would count
+                # as another reader)
+                index = self._param_index[id(behind[0])]
+                params.add(index)
+                readers.setdefault(index, []).append(read_by(current, position, *behind))
         source.frontier = list(frontier.values())
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = _only(readers, Gather)
-        source.broadcasts = _only(readers, Broadcast)
+        source.readers = _only(readers, (Broadcast, Product, Gather))
         sizes = [
-            edge_numel(reader.edge)
-            for found in (*source.gathers.values(), *source.broadcasts.values())
-            for reader in found
+            edge_numel(reader.edge) for found in source.readers.values() for reader in found
         ]
         source.reader_numel = -(-max(sizes, default=0) // self._batch)
 
@@ -364,7 +353,9 @@ class Recording(Sweeps, MemoryBound, Checks):
         return self._params
 
 
-def _only(readers: dict[int, list[Any]], kind: type) -> dict[int, list[Any]]:
+def _only(
+    readers: dict[int, list[Any]], kind: type | tuple[type, ...]
+) -> dict[int, list[Any]]:
     """The parameters whose every reader is of ``kind``, with their readers."""
     return {
         i: found for i, found in readers.items() if all(isinstance(r, kind) for r in found)

@@ -1,13 +1,16 @@
 """Glue parameters whose products are read per sample off one pass, and the proof of it.
 
-A parameter read in the glue only broadcast over the samples (a position table added, a
-class token expanded, a layer scale multiplied, ``alpha`` of an addition or subtraction,
-a functional layer or group norm's affine weight and bias; also through views such as
-``gamma.reshape(1, -1, 1, 1)``) or only by embedding lookups gets each sample's products
-from one backward pass to its readers' outputs, sliced on their axis 0, instead of one
-pass per sample. That slicing is exact only where axis 0 holds the samples, which the
-engine proves on the recorded graph once per glue region; a sequence-first model whose
-token count equals the batch size passes every shape test and must fail the proof (its
+A parameter whose every reader in the glue is a broadcast (a position table added, a
+class token expanded, a layer scale, ``alpha`` of an addition, an ``addmm`` bias, a
+functional layer or group norm's affine weight and bias; also through views such as
+``gamma.reshape(1, -1, 1, 1)``), the right factor of a matrix product (``F.linear``'s
+weight, ``nn.MultiheadAttention``'s projections) or an embedding lookup gets each
+sample's products from one backward pass to its readers' outputs, grouped by sample,
+instead of one pass per sample. The grouping is proven on the recorded graph once per
+glue region, as a stride of the samples in the flattened output: a sequence-first model
+whose token count equals the batch size (``T == N``: its shapes pass for batch-first)
+gets the samples' axis 1, ``F.linear`` on ``[N, T, I]`` rows grouped by ``T``; a model
+that reverses the batch around a bias has no such stride and must fail the proof (its
 answer is wrong without it).
 
 Every case is compared with the float64 brute force: the batch's diagonal in several
@@ -16,13 +19,19 @@ chunkings and each sample's diagonal (``per_sample=True``), at batch sizes 1, 2,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision.models import VisionTransformer
+from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
 import ggnchunk
 import ggnchunk._graph.checks as checks
+import ggnchunk._quantities as quantities
+from ggnchunk._autograd import grad_shape
 from ggnchunk._quantities import _Products
 from tests.reference import assert_diag_close, reference_diag_ggn
 from tests.rules.test_batch_of_one import PositionsAndClassToken
@@ -93,6 +102,47 @@ class SequenceFirst(nn.Module):
         return self.head(torch.tanh(h).transpose(0, 1)).flatten(1)
 
 
+class Reversed(nn.Module):
+    """A bias added to the batch reversed (and reversed back).
+
+    The samples' positions at the bias's output run backwards, which no stride of the
+    flattened output describes.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.randn(D))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = self.lin(x).flip(0) + self.bias
+        return self.head(torch.tanh(h).flip(0)).flatten(1)
+
+
+class FunctionalLinear(nn.Module):
+    """A user's own weights through ``F.linear`` on 2-D and 3-D inputs, and ``x @ W``.
+
+    2-D inputs take ``addmm`` (also called directly, with ``alpha`` and ``beta``); 3-D
+    ones ``mm`` with the bias added after; ``W`` of ``x @ W`` is read as is (not
+    transposed).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(5, D)), nn.Parameter(torch.randn(5))
+        self.w2, self.b2 = nn.Parameter(torch.randn(D, 5)), nn.Parameter(torch.randn(D))
+        self.w3 = nn.Parameter(torch.randn(D, 3))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(self.lin(x), self.w1, self.b1))  # [N, T, 5]
+        h = F.linear(h, self.w2, self.b2)  # [N, T, D]
+        first = torch.sin(F.linear(h[:, 0], self.w1, self.b1))  # 2-D: addmm
+        last = torch.addmm(self.b1, h[:, -1], self.w1.t(), beta=0.5, alpha=-2.0)
+        return torch.cat([(h @ self.w3).flatten(1), first, last], 1)
+
+
 class ConvNeXtLike(nn.Module):
     """Norms and layer scales in the glue, as timm's and transformers' ConvNeXts write them.
 
@@ -136,6 +186,46 @@ class ConvNeXtLike(nn.Module):
         return self.conv2(torch.tanh(g)).flatten(1)
 
 
+def _torchvision_vit() -> nn.Module:
+    """The ViT of torchvision, small: a class token expanded and a position table added."""
+    return VisionTransformer(
+        image_size=8, patch_size=4, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16,
+        num_classes=3,
+    )  # fmt: skip
+
+
+def _torchvision_convnext() -> nn.Module:
+    """The ConvNeXt of torchvision, small: ``LayerNorm2d`` and layer scales in the glue."""
+    model = ConvNeXt([CNBlockConfig(4, 8, 1), CNBlockConfig(8, None, 1)], num_classes=3)
+    with torch.no_grad():  # not the constant initialization
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.normal_()
+                module.bias.normal_()
+        for name, param in model.named_parameters():
+            if name.endswith("layer_scale"):
+                param.normal_()
+    return model
+
+
+def _torch_encoder(batch_first: bool) -> Callable[[], nn.Module]:
+    """Torch's own ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention`` inside)."""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(
+                D, 2, dim_feedforward=6, dropout=0.0, batch_first=batch_first
+            )
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            h = self.layer(x if batch_first else x.transpose(0, 1))
+            return self.head(h if batch_first else h.transpose(0, 1)).mean(1)
+
+    return Encoder
+
+
 def _inputs(name: str, n: int) -> torch.Tensor:
     if name == "lookups":
         ids = torch.randint(0, 7, (n, T))
@@ -145,6 +235,10 @@ def _inputs(name: str, n: int) -> torch.Tensor:
         return torch.randn(n, n, D, dtype=torch.float64)  # T == N
     if name == "convnext-norms":
         return torch.randn(n, 2, 3, 3, dtype=torch.float64)
+    if name == "torchvision-vit":
+        return torch.randn(n, 3, 8, 8, dtype=torch.float64)
+    if name == "torchvision-convnext":
+        return torch.randn(n, 3, 16, 16, dtype=torch.float64)
     return torch.randn(n, T, D, dtype=torch.float64)
 
 
@@ -154,10 +248,16 @@ MODELS = {
     "offsets-alpha": (Offsets, "mse"),
     "lookups": (LookupsAndPositions, "ce"),
     "sequence-first": (SequenceFirst, "mse"),
+    "reversed": (Reversed, "mse"),
+    "functional-linear": (FunctionalLinear, "mse"),
     "convnext-norms": (ConvNeXtLike, "mse"),
+    # models others wrote
+    "torchvision-vit": (_torchvision_vit, "ce"),
+    "torchvision-convnext": (_torchvision_convnext, "ce"),
+    "torch-encoder-layer": (_torch_encoder(True), "ce"),
 }
-# whether the samples' axis is proven (for batches of two or more)
-PROVEN = {name: name != "sequence-first" for name in MODELS}
+# whether every reader's samples are proven (for batches of two or more)
+PROVEN = {name: name != "reversed" for name in MODELS}
 
 
 def _problem(name: str, n: int, seed: int = 0):
@@ -176,18 +276,19 @@ def _problem(name: str, n: int, seed: int = 0):
 def proofs(monkeypatch):
     """The proofs' answers in order, and ``"slow"`` for each pass per sample."""
     seen: list[bool | str] = []
-    prove = checks._samples_on_axis0
+    prove = checks.sample_strides
     slow = _Products._one_sample_at_a_time
 
     def watched(*args):
-        seen.append(prove(*args))
-        return seen[-1]
+        strides = prove(*args)
+        seen.append(all(stride is not None for stride in strides))
+        return strides
 
     def one_at_a_time(*args):
         seen.append("slow")
         return slow(*args)
 
-    monkeypatch.setattr(checks, "_samples_on_axis0", watched)
+    monkeypatch.setattr(checks, "sample_strides", watched)
     monkeypatch.setattr(_Products, "_one_sample_at_a_time", staticmethod(one_at_a_time))
     return seen
 
@@ -229,11 +330,54 @@ def test_glue_readers_per_sample(name, n):
     assert_diag_close({k: v.sum(0) for k, v in got.items()}, total, rtol=1e-10)
 
 
-def test_without_the_proof_the_sequence_first_answer_is_wrong(monkeypatch):
-    """The proof is what keeps the slicing exact: forced, the answer is off."""
-    model, loss_func, x, y = _problem("sequence-first", 3)
-    expected = reference_diag_ggn(model, loss_func, x, y)
-    monkeypatch.setattr(checks, "_samples_on_axis0", lambda *args: True)
-    got = ggnchunk.diag_ggn(model, loss_func, x, y)
-    error = (got["bias"] - expected["bias"]).abs().max() / expected["bias"].abs().max()
-    assert error > 1e-3
+def test_without_the_proof_the_reversed_answer_is_wrong(monkeypatch):
+    """The proof is what keeps the grouping exact: a stride forced, the answer is off.
+
+    Forced to read axis 0 as the samples, the bias's products go to the reversed
+    samples: the batch's sum is the same, each sample's diagonal is not.
+    """
+    model, loss_func, x, y = _problem("reversed", 3)
+    first = reference_diag_ggn(model, loss_func, x[:1], y[:1])["bias"]
+
+    def axis0(target, frontier, readers, grads):  # as if axis 0 held the samples
+        return [
+            grad_shape(r.edge.node, r.edge.output_nr).numel() // grads.shape[1]
+            for r in readers
+        ]
+
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)["bias"][0]
+    torch.testing.assert_close(got, first, rtol=1e-10, atol=0)
+    monkeypatch.setattr(checks, "sample_strides", axis0)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)["bias"][0]
+    assert (got - first).abs().max() > 1e-3 * first.abs().max()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_switch_gives_the_same_diagonal(name, monkeypatch):
+    """One pass per sample (the switch off) and the readers agree, as the benchmark uses."""
+    model, loss_func, x, y = _problem(name, 3, seed=2)
+    fast = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
+    monkeypatch.setattr(checks, "READ_PER_SAMPLE", False)
+    slow = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
+    assert_diag_close(fast, slow, rtol=1e-12, label=name)
+
+
+@pytest.mark.parametrize("name", ["functional-linear", "convnext-norms", "torchvision-vit"])
+def test_readers_products_hold_no_graph(name, monkeypatch):
+    """Products made from saved tensors that require grad keep no autograd graph.
+
+    The rows of a product and a norm's input require grad; a graph through them kept
+    every pass's buffers alive (the level rose 1 MiB per pass on the time U-Net, and a
+    64 MiB budget ran 2,340 passes instead of 120).
+    """
+    made = []
+    read = quantities.read_per_sample
+
+    def watched(*args):
+        made.append(read(*args))
+        return made[-1]
+
+    monkeypatch.setattr(quantities, "read_per_sample", watched)
+    model, loss_func, x, y = _problem(name, 3)
+    ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
+    assert made and not any(value.requires_grad for value in made)

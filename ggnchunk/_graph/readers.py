@@ -1,0 +1,456 @@
+"""Readers of the glue's parameters: every sample's products off one backward pass.
+
+A parameter used in the glue (not by a layer with a rule) needs its products per sample,
+``[V, N, *param]``: a batch reduction would mix the samples before the square. Taken one
+sample at a time, each a backward pass through the whole region with the other samples'
+vectors zero, they cost ``N`` times the region per chunk: 23 s of a 24 s call on
+torchvision's ViT at 32 images (``nn.MultiheadAttention``'s projections are glue).
+
+Instead the engine looks at the nodes that read each parameter (its *readers*) and takes
+the gradients at their outputs in one pass, for all samples at once:
+
+- :class:`Broadcast`: the parameter broadcast against the output (``x + pos``,
+  ``cls.expand(N, ...)``, a layer scale ``gamma * h``, ``alpha`` of an addition, a bias
+  of ``addmm``, the affine weight and bias of a functional layer or group norm): each
+  sample's gradient is its positions' gradients, scaled (by ``alpha``, the other factor,
+  or the norm's normalized input) and summed to the parameter's shape.
+- :class:`Product`: the parameter as the right factor of a matrix product
+  (``rows @ W.T`` in ``F.linear``'s ``mm``/``addmm``): each sample's gradient is the sum
+  over its rows of the outer products of the rows' gradients and the rows.
+- :class:`~ggnchunk._autograd.Gather`: an embedding lookup: its rows' gradients added
+  into the table per sample.
+
+Views that keep the elements' order (``gamma.reshape(1, -1, 1, 1)``) and a transpose of
+a matrix (``W.T``) between the parameter and its reader are followed.
+
+Which positions of a reader's output belong to which sample cannot be read off shapes
+(a sequence-first ``[T, N, D]`` with ``T == N`` looks batch-first;
+``nn.MultiheadAttention`` flattens ``[T, N, E]`` into ``T·N`` rows). So it is proven on
+the recorded graph, once per glue region (:func:`sample_strides`): random vectors from
+the samples whose bit ``b`` of the index is 1, and then 0, for every bit (``2⌈log₂ N⌉``
+vectors), are backpropagated to every reader. A position reached from both halves of a
+bit mixes samples (the reader falls back); otherwise the halves that reach it spell its
+sample's index. The readers are used where the map is ``sample(f) = (f // s) % N`` over
+the flattened output for some stride ``s`` (a samples' axis, or rows grouped by sample);
+positions no vector reaches have a zero gradient for every column.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ggnchunk._autograd import (
+    Gather,
+    GradientEdge,
+    Node,
+    accumulated_variable,
+    batched_grad,
+    blocked,
+    gather_of,
+    grad_shape,
+    output_count,
+    saved_value,
+)
+
+__all__ = ["Broadcast", "Product", "Reader", "param_behind", "read_by", "sample_strides"]
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A node reading a parameter broadcast against its output (see the module)."""
+
+    edge: GradientEdge  # the node's output: where the gradient is taken
+    aligned: torch.Size  # the parameter's shape as read, left-padded with ones to out's
+    param: torch.Size
+    dtype: torch.dtype
+    scale: float = 1.0
+    # the other factor of a product, or a norm's normalized input (made when asked)
+    factor: Tensor | Callable[[], Tensor] | None = None
+
+    def _index(self, out: torch.Size, stride: int, samples: int) -> Tensor:
+        """``[A, N, stride]``: the parameter's flat index at each output position."""
+        flat = torch.arange(math.prod(self.aligned)).reshape(self.aligned)
+        return flat.expand(out).reshape(-1, samples, stride)
+
+    def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
+        """Whether the parameter is the same for every sample at this stride."""
+        index = self._index(out, stride, samples)
+        return bool((index == index[:, :1]).all())
+
+    def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
+        """Each sample's gradient of the parameter from the node's output gradients.
+
+        Args:
+            grads: ``[V, *out]``, the gradients at the node's output.
+            samples: ``N``.
+            stride: The samples' stride in the flattened output.
+
+        Returns:
+            ``[V, N, *param]``.
+        """
+        if self.factor is not None:
+            grads = grads * (self.factor() if callable(self.factor) else self.factor)
+        elif self.scale != 1.0:
+            grads = grads * self.scale
+        v, out = grads.shape[0], grads.shape[1:]
+        if out[0] == samples and stride * samples == out.numel() and self.aligned[0] == 1:
+            summed = grads.sum_to_size(v, samples, *self.aligned[1:])  # axis 0
+            return summed.reshape(v, samples, *self.param).to(self.dtype)
+        index = self._index(out, stride, samples)[:, 0].reshape(-1)
+        source = grads.reshape(v, -1, samples, stride).transpose(1, 2)
+        source = source.reshape(v, samples, -1)
+        result = grads.new_zeros(v, samples, math.prod(self.param))
+        result.index_add_(2, index.to(grads.device), source)
+        return result.reshape(v, samples, *self.param).to(self.dtype)
+
+
+@dataclass(frozen=True)
+class Product:
+    """A parameter as the right factor of a matrix product ``rows @ W.T`` (or ``@ W``)."""
+
+    edge: GradientEdge  # the product's output ``[R, O]``
+    rows: Callable[[], Tensor]  # the left factor ``[R, I]`` (saved by the node)
+    param: torch.Size  # ``[O, I]`` (transposed) or ``[I, O]``
+    dtype: torch.dtype
+    transposed: bool
+    alpha: float = 1.0
+
+    def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
+        """Whether the samples group whole rows at this stride."""
+        return len(out) == 2 and stride % out[1] == 0
+
+    def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
+        """Each sample's gradient of the parameter: its rows' outer products summed.
+
+        Args:
+            grads: ``[V, R, O]``, the gradients at the product's output.
+            samples: ``N``.
+            stride: The samples' stride in the flattened output (whole rows).
+
+        Returns:
+            ``[V, N, *param]``.
+        """
+        v, width = grads.shape[0], grads.shape[2]
+        per_row = stride // width
+        rows = self.rows()
+        grouped = grads.reshape(v, -1, samples, per_row, width)
+        inputs = rows.reshape(-1, samples, per_row, rows.shape[-1]).to(grads.dtype)
+        spec = "vanqo,anqi->vnoi" if self.transposed else "vanqo,anqi->vnio"
+        result = torch.einsum(spec, grouped, inputs)
+        if self.alpha != 1.0:
+            result = result * self.alpha
+        return result.to(self.dtype)
+
+
+Reader = Union[Broadcast, Product, Gather]  # noqa: UP007 (a runtime alias)
+
+
+def _lookup_fits(gather: Gather, out: torch.Size, stride: int, samples: int) -> bool:
+    return stride % out[-1] == 0
+
+
+def lookup_per_sample(gather: Gather, grads: Tensor, samples: int, stride: int) -> Tensor:
+    """Each sample's table gradient of an embedding lookup.
+
+    Args:
+        gather: The lookup.
+        grads: ``[V, *indices.shape, D]``, the gradients at its output.
+        samples: ``N``.
+        stride: The samples' stride in the flattened output (whole rows of ``D``).
+
+    Returns:
+        ``[V, N, rows, D]``.
+    """
+    v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
+    per = stride // dim
+    index = gather.indices.reshape(-1, samples, per).transpose(0, 1).reshape(samples, -1)
+    offsets = torch.arange(samples, device=index.device).mul_(rows)
+    index = (index + offsets[:, None]).reshape(-1)
+    source = grads.reshape(v, -1, samples, per, dim).transpose(1, 2).reshape(v, -1, dim)
+    result = grads.new_zeros(v, samples * rows, dim)
+    result.index_add_(1, index, source)
+    result = result.view(v, samples, rows, dim)
+    if gather.padding_idx is not None:
+        result[:, :, gather.padding_idx] = 0.0
+    return result
+
+
+def fits(reader: Reader, out: torch.Size, stride: int, samples: int) -> bool:
+    """Whether ``reader`` can read per sample with this stride of its output."""
+    if isinstance(reader, Gather):
+        return _lookup_fits(reader, out, stride, samples)
+    return reader.fits(out, stride, samples)
+
+
+@torch.no_grad()  # the saved tensors (rows, factors, norms' inputs) require grad
+def per_sample(reader: Reader, grads: Tensor, samples: int, stride: int) -> Tensor:
+    """``[V, N, *param]``: each sample's gradient of the reader's parameter.
+
+    Args:
+        reader: The reader.
+        grads: ``[V, *out]``, the gradients at its output.
+        samples: ``N``.
+        stride: The samples' stride in the flattened output.
+
+    Returns:
+        The products.
+    """
+    if isinstance(reader, Gather):
+        return lookup_per_sample(reader, grads, samples, stride)
+    return reader.per_sample(grads, samples, stride)
+
+
+# views that keep the elements' order: a gradient through them is a reshape
+_RESHAPES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
+})  # fmt: skip
+
+
+def param_behind(node: Node) -> tuple[Tensor, torch.Size, bool] | None:
+    """The leaf that ``node`` is, or that a chain of views (or one ``W.T``) ends at.
+
+    Args:
+        node: A node of the autograd graph (an input of a reader).
+
+    Returns:
+        ``(leaf, the shape read, transposed)``, or ``None`` where ``node`` is neither an
+        ``AccumulateGrad`` nor such a chain.
+    """
+    variable = accumulated_variable(node)
+    if variable is not None:
+        return variable, variable.shape, False
+    name = node.name()
+    shape = grad_shape(node, 0)
+    if shape is None or output_count(node) != 1:
+        return None
+    if name == "TBackward0":
+        inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        variable = accumulated_variable(inputs[0]) if len(inputs) == 1 else None
+        if variable is None or variable.dim() != 2:
+            return None
+        return variable, shape, True
+    if name not in _RESHAPES:
+        return None
+    current = node
+    while current.name() in _RESHAPES:
+        inputs = [nxt for nxt, _ in current.next_functions if nxt is not None]
+        if len(inputs) != 1 or output_count(current) != 1:
+            return None
+        current = inputs[0]
+    variable = accumulated_variable(current)
+    if variable is None or variable.numel() != shape.numel():
+        return None
+    return variable, shape, False
+
+
+def _normalized(node: Node) -> Callable[[], Tensor]:
+    """The normalized input ``x̂`` of a layer or group norm's node, made when asked."""
+
+    def make() -> Tensor:
+        x = saved_value(node, "input")
+        mean, rstd = saved_value(node, "result1"), saved_value(node, "result2")
+        if node.name() == "NativeLayerNormBackward0":
+            return (x - mean) * rstd
+        n, groups = x.shape[0], int(saved_value(node, "group"))
+        stats = (n, groups, 1)
+        flat = x.reshape(n, groups, -1)
+        return ((flat - mean.reshape(stats)) * rstd.reshape(stats)).reshape(x.shape)
+
+    return make
+
+
+_NORMS = ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
+_BROADCASTING = frozenset(
+    {"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0", *_NORMS}
+)
+
+
+def _broadcast(
+    node: Node, position: int, variable: Tensor, shape: torch.Size
+) -> Broadcast | None:
+    name = node.name()
+    norm = name in _NORMS
+    out = grad_shape(node, 0)
+    if out is None or (output_count(node) != 1 and not norm):
+        return None
+    scale, factor = 1.0, None
+    if name == "AddmmBackward0":  # the bias (input 0), times beta
+        beta = saved_value(node, "beta")
+        if position != 0 or not isinstance(beta, (int, float)) or isinstance(beta, bool):
+            return None
+        scale = float(beta)
+    elif name not in _BROADCASTING:
+        return None
+    elif norm:  # the affine weight (1) and bias (2); a group norm's act on axis 1
+        if position == 0 or len(shape) != 1:
+            return None
+        if name == "NativeGroupNormBackward0":
+            shape = torch.Size((variable.numel(),) + (1,) * (len(out) - 2))
+        if position == 1:
+            factor = _normalized(node)
+    elif name in ("AddBackward0", "SubBackward0") and position == 1:
+        alpha = saved_value(node, "alpha")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            return None
+        scale = float(alpha) * (-1.0 if name == "SubBackward0" else 1.0)
+    elif name == "MulBackward0":
+        other = saved_value(node, "other" if position == 0 else "self")
+        if not isinstance(other, Tensor) or other.is_complex():
+            return None
+        factor = other.detach()
+    if len(out) < len(shape):
+        return None
+    aligned = torch.Size((1,) * (len(out) - len(shape)) + tuple(shape))
+    if any(a not in (1, o) for a, o in zip(aligned, out, strict=True)):
+        return None
+    return Broadcast(
+        GradientEdge(node, 0), aligned, variable.shape, variable.dtype, scale, factor
+    )
+
+
+def _product(
+    node: Node, position: int, variable: Tensor, shape: torch.Size, transposed: bool
+) -> Product | None:
+    name = node.name()
+    if (name, position) == ("MmBackward0", 1):
+        left, alpha = "self", 1.0
+    elif (name, position) == ("AddmmBackward0", 2):
+        left, alpha = "mat1", saved_value(node, "alpha")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            return None
+    else:
+        return None
+    out = grad_shape(node, 0)
+    rows = saved_value(node, left)
+    if out is None or len(out) != 2 or not isinstance(rows, Tensor) or rows.dim() != 2:
+        return None
+    if rows.is_complex() or tuple(shape) != (rows.shape[1], out[1]):
+        return None  # ``shape`` is the right factor as read: ``[I, O]``
+    return Product(
+        GradientEdge(node, 0), lambda: saved_value(node, left), variable.shape,
+        variable.dtype, transposed, float(alpha),
+    )  # fmt: skip
+
+
+def read_by(
+    node: Node, position: int, variable: Tensor, shape: torch.Size, transposed: bool
+) -> Reader | None:
+    """The reader of ``variable`` that ``node`` is at input ``position``, if any.
+
+    Args:
+        node: The node whose input ``position`` leads to the parameter.
+        position: Which of its inputs (``next_functions``).
+        variable: The parameter.
+        shape: The shape the node reads it in (through views or a transpose).
+        transposed: Whether it is read as ``W.T``.
+
+    Returns:
+        A :class:`Broadcast`, :class:`Product` or lookup, or ``None`` (any other node:
+        the parameter's products are then taken one sample at a time).
+    """
+    if variable.is_complex() or not variable.is_floating_point():
+        return None
+    product = _product(node, position, variable, shape, transposed)
+    if product is not None or transposed:
+        return product
+    if shape == variable.shape:
+        gather = gather_of(node)
+        if gather is not None:
+            return gather
+    return _broadcast(node, position, variable, shape)
+
+
+def _candidate_strides(out: torch.Size, samples: int) -> list[int]:
+    """Strides ``s`` for which ``(f // s) % N`` can map ``out``'s positions to samples.
+
+    The suffix products of its shape first (a samples' axis), then every other divisor
+    of ``numel / N`` (rows grouped by sample after a flatten, ``[N·T, O]``).
+    """
+    numel = out.numel()
+    if numel % samples:
+        return []
+    found = [math.prod(out[k:]) for k in range(len(out) + 1)]
+    found = [s for s in dict.fromkeys(found) if numel % (s * samples) == 0]
+    block = numel // samples
+    small = [d for d in range(1, math.isqrt(block) + 1) if block % d == 0]
+    found += [d for d in small + [block // d for d in reversed(small)] if d not in found]
+    return found
+
+
+def sample_strides(
+    target: Tensor | GradientEdge,
+    frontier: Sequence[GradientEdge],
+    readers: Sequence[Reader],
+    grads: Tensor,
+) -> list[int | None]:
+    """Prove where each reader's output holds which sample (see the module).
+
+    Args:
+        target: Where the region's vectors start.
+        frontier: The layer outputs that end it (blocked).
+        readers: The readers of its parameters.
+        grads: ``[V, N, ...]`` vectors at ``target`` (their shape, dtype, device; ``V``
+            sets how many probes go in one pass, so they need no more memory).
+
+    Returns:
+        Per reader, the samples' stride in its flattened output, or ``None`` where no
+        stride describes them (the reader mixes samples, or groups them otherwise).
+    """
+    n = grads.shape[1]
+    outs = [grad_shape(reader.edge.node, reader.edge.output_nr) for reader in readers]
+    if n == 1:
+        return [
+            None if out is None or not fits(reader, out, out.numel(), 1) else out.numel()
+            for reader, out in zip(readers, outs, strict=True)
+        ]
+    if not grads.is_floating_point() or any(out is None for out in outs):
+        return [None] * len(readers)
+    bits = (n - 1).bit_length()
+    samples = torch.arange(n, device=grads.device)
+    masks = []
+    for bit in range(bits):
+        ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
+        masks += [ones, ~ones]  # probe 2b: bit b is 1; probe 2b + 1: it is 0
+    hits = [torch.zeros(len(masks), out.numel(), dtype=torch.bool) for out in outs]
+    generator = torch.Generator(device=grads.device).manual_seed(0)
+    edges = [reader.edge for reader in readers]
+    step = max(1, grads.shape[0])  # as many probes per pass as the sweep's own columns
+    with blocked(frontier):
+        for start in range(0, len(masks), step):
+            part = torch.stack(masks[start : start + step])  # [P, N]
+            probe = torch.rand(
+                (len(part), *grads.shape[1:]), generator=generator, dtype=grads.dtype,
+                device=grads.device,
+            ).add_(0.5)  # fmt: skip
+            probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
+            results = batched_grad([target], edges, [probe])
+            for k, result in enumerate(results):
+                if result is not None:
+                    reached = result.reshape(len(part), -1).ne(0).cpu()
+                    hits[k][start : start + len(part)] = reached
+    strides: list[int | None] = []
+    weights = torch.tensor([1 << bit for bit in range(bits)])
+    for reader, out, hit in zip(readers, outs, hits, strict=True):
+        ones, zeros = hit[0::2], hit[1::2]  # [bits, F]
+        if bool((ones & zeros).any()):
+            strides.append(None)  # a position reached from samples that differ
+            continue
+        reached = (ones | zeros).any(0)
+        sample = (ones.long() * weights[:, None]).sum(0)[reached]
+        position = torch.arange(out.numel())[reached]
+        chosen = None
+        for stride in _candidate_strides(out, n):
+            if bool(((position // stride) % n == sample).all()) and fits(
+                reader, out, stride, n
+            ):
+                chosen = stride
+                break
+        strides.append(chosen)
+    return strides
