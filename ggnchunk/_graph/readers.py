@@ -384,6 +384,63 @@ def _candidate_strides(out: torch.Size, samples: int) -> list[int]:
     return found
 
 
+def _probe(
+    target: Tensor | GradientEdge,
+    frontier: Sequence[GradientEdge],
+    edges: list[GradientEdge],
+    grads: Tensor,
+    masks: list[Tensor],
+    generator: torch.Generator,
+) -> list[Tensor]:
+    """``[len(masks), F]`` per edge: the output positions that each mask's vectors reach.
+
+    Random vectors from the samples in each mask, as many per pass as the sweep's own
+    columns (so the probes need no more memory than a pass).
+    """
+    sizes = [math.prod(grad_shape(edge.node, edge.output_nr) or (0,)) for edge in edges]
+    hits = [torch.zeros(len(masks), size, dtype=torch.bool) for size in sizes]
+    step = max(1, grads.shape[0])
+    with blocked(frontier):
+        for start in range(0, len(masks), step):
+            part = torch.stack(masks[start : start + step])  # [P, N]
+            probe = torch.rand(
+                (len(part), *grads.shape[1:]), generator=generator, dtype=grads.dtype,
+                device=grads.device,
+            ).add_(0.5)  # fmt: skip
+            probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
+            results = batched_grad([target], edges, [probe])
+            for k, result in enumerate(results):
+                if result is not None:
+                    reached = result.reshape(len(part), -1).ne(0).cpu()
+                    hits[k][start : start + len(part)] = reached
+    return hits
+
+
+def _stride(reader: Reader, out: torch.Size, hit: Tensor, samples: int) -> int | None:
+    """The stride that the probes' hits (``[2 bits, F]``) prove, if any."""
+    ones, zeros = hit[0::2], hit[1::2]  # [bits, F]
+    if bool((ones & zeros).any()):
+        return None  # a position reached from samples that differ
+    reached = (ones | zeros).any(0)
+    weights = torch.tensor([1 << bit for bit in range(len(ones))])
+    sample = (ones.long() * weights[:, None]).sum(0)[reached]
+    position = torch.arange(out.numel())[reached]
+    candidates = torch.tensor(_candidate_strides(out, samples), dtype=torch.long)
+    if len(candidates) == 0:
+        return None
+    # a few positions first rule out most candidates at once, then each survivor in full
+    few = torch.linspace(0, max(len(position) - 1, 0), 64).long().unique()
+    if len(position):
+        agree = (position[few][None] // candidates[:, None]) % samples == sample[few][None]
+        candidates = candidates[agree.all(1)]
+    for stride in candidates.tolist():
+        if bool(((position // stride) % samples == sample).all()) and fits(
+            reader, out, stride, samples
+        ):
+            return stride
+    return None
+
+
 def sample_strides(
     target: Tensor | GradientEdge,
     frontier: Sequence[GradientEdge],
@@ -391,6 +448,10 @@ def sample_strides(
     grads: Tensor,
 ) -> list[int | None]:
     """Prove where each reader's output holds which sample (see the module).
+
+    Proven per region, not per reader: a position that one region reaches from one
+    sample can be reached from another sample by another region (a table read by
+    per-sample indices that differ between the regions' paths).
 
     Args:
         target: Where the region's vectors start.
@@ -412,45 +473,15 @@ def sample_strides(
         ]
     if not grads.is_floating_point() or any(out is None for out in outs):
         return [None] * len(readers)
-    bits = (n - 1).bit_length()
     samples = torch.arange(n, device=grads.device)
     masks = []
-    for bit in range(bits):
+    for bit in range((n - 1).bit_length()):
         ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
         masks += [ones, ~ones]  # probe 2b: bit b is 1; probe 2b + 1: it is 0
-    hits = [torch.zeros(len(masks), out.numel(), dtype=torch.bool) for out in outs]
     generator = torch.Generator(device=grads.device).manual_seed(0)
     edges = [reader.edge for reader in readers]
-    step = max(1, grads.shape[0])  # as many probes per pass as the sweep's own columns
-    with blocked(frontier):
-        for start in range(0, len(masks), step):
-            part = torch.stack(masks[start : start + step])  # [P, N]
-            probe = torch.rand(
-                (len(part), *grads.shape[1:]), generator=generator, dtype=grads.dtype,
-                device=grads.device,
-            ).add_(0.5)  # fmt: skip
-            probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
-            results = batched_grad([target], edges, [probe])
-            for k, result in enumerate(results):
-                if result is not None:
-                    reached = result.reshape(len(part), -1).ne(0).cpu()
-                    hits[k][start : start + len(part)] = reached
-    strides: list[int | None] = []
-    weights = torch.tensor([1 << bit for bit in range(bits)])
-    for reader, out, hit in zip(readers, outs, hits, strict=True):
-        ones, zeros = hit[0::2], hit[1::2]  # [bits, F]
-        if bool((ones & zeros).any()):
-            strides.append(None)  # a position reached from samples that differ
-            continue
-        reached = (ones | zeros).any(0)
-        sample = (ones.long() * weights[:, None]).sum(0)[reached]
-        position = torch.arange(out.numel())[reached]
-        chosen = None
-        for stride in _candidate_strides(out, n):
-            if bool(((position // stride) % n == sample).all()) and fits(
-                reader, out, stride, n
-            ):
-                chosen = stride
-                break
-        strides.append(chosen)
-    return strides
+    hits = _probe(target, frontier, edges, grads, masks, generator)
+    return [
+        _stride(reader, out, hit, n)
+        for reader, out, hit in zip(readers, outs, hits, strict=True)
+    ]
