@@ -46,6 +46,7 @@ from ggnchunk._autograd import (
 )
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._graph.readers import per_sample as read_per_sample
+from ggnchunk._graph.readers import reader_groups, reader_room
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
 
@@ -484,21 +485,15 @@ class _Products(Quantity):
         # N times the region)
         fast = recording.per_sample_readers(source, grads)
         found = [(i, pair) for i, pairs in fast.items() for pair in pairs]
-        # in groups whose gradients together hold at most the region's vectors (or one
-        # reader's): a deep residual stream reads a layer scale in every block
-        room = max(grads[0, 0].numel(), source.reader_numel)
-        while found:
-            group = [found.pop(0)]
-            held = edge_numel(group[0][1][0].edge) // n
-            while found and held + edge_numel(found[0][1][0].edge) // n <= room:
-                held += edge_numel(found[0][1][0].edge) // n
-                group.append(found.pop(0))
+        sizes = [edge_numel(reader.edge) // n for _, (reader, _) in found]
+        for group in reader_groups(sizes, reader_room(source, grads)):
             with blocked(source.frontier):
                 results = list(batched_grad(
-                    [source.target], [reader.edge for _, (reader, _) in group], [grads]
+                    [source.target], [found[k][1][0].edge for k in group], [grads]
                 ))  # fmt: skip
-            for k, (i, (reader, stride)) in enumerate(group):
-                value, results[k] = results[k], None
+            for j, k in enumerate(group):
+                value, results[j] = results[j], None
+                i, (reader, stride) = found[k]
                 if value is not None:
                     add(i, None, read_per_sample(reader, value, n, stride))
                 del value

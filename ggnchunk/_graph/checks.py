@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ggnchunk._graph.parts import SampleCouplingError, _display, _Source
-from ggnchunk._graph.readers import Reader, sample_strides
+from ggnchunk._graph.readers import Reader, reader_room, sample_strides
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
 
@@ -124,7 +124,11 @@ class Checks(Traversal):
             return {}
         found = [reader for readers in source.readers.values() for reader in readers]
         if source.strides is None:
-            source.strides = sample_strides(source.target, source.frontier, found, grads)
+            # half the products' room: the probes' sightings take 5 bytes a position
+            source.strides = sample_strides(
+                source.target, source.frontier, found, grads,
+                max(1, reader_room(source, grads) // 2),
+            )  # fmt: skip
         strides = iter(source.strides)
         result = {}
         for i, readers in source.readers.items():

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 from torch import Tensor
@@ -58,7 +58,19 @@ from ggnchunk._autograd import (
     saved_value,
 )
 
-__all__ = ["Broadcast", "Product", "Reader", "param_behind", "read_by", "sample_strides"]
+if TYPE_CHECKING:
+    from ggnchunk._graph.parts import _Source
+
+__all__ = [
+    "Broadcast",
+    "Product",
+    "Reader",
+    "param_behind",
+    "read_by",
+    "reader_groups",
+    "reader_room",
+    "sample_strides",
+]
 
 
 @dataclass(frozen=True)
@@ -73,15 +85,27 @@ class Broadcast:
     # the other factor of a product, or a norm's normalized input (made when asked)
     factor: Tensor | Callable[[], Tensor] | None = None
 
-    def _index(self, out: torch.Size, stride: int, samples: int) -> Tensor:
-        """``[A, N, stride]``: the parameter's flat index at each output position."""
-        flat = torch.arange(math.prod(self.aligned)).reshape(self.aligned)
-        return flat.expand(out).reshape(-1, samples, stride)
+    def _index(self, out: torch.Size, stride: int, samples: int, sample: int) -> Tensor:
+        """``[F / N]``: the parameter's flat index at one sample's output positions."""
+        blocks = out.numel() // (samples * stride)
+        position = torch.arange(blocks)[:, None] * (samples * stride) + sample * stride
+        position = (position + torch.arange(stride)[None]).reshape(-1)
+        index = torch.zeros_like(position)
+        step = 1
+        for size, read in zip(reversed(out), reversed(self.aligned), strict=True):
+            if read != 1:  # read along this axis: its coordinate counts
+                index += (position % size) * step
+                step *= size
+            position = position // size
+        return index
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
-        """Whether the parameter is the same for every sample at this stride."""
-        index = self._index(out, stride, samples)
-        return bool((index == index[:, :1]).all())
+        """Whether the parameter's index is the same for every sample at this stride."""
+        first = self._index(out, stride, samples, 0)
+        return all(
+            bool((self._index(out, stride, samples, n) == first).all())
+            for n in range(1, samples)
+        )
 
     def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
         """Each sample's gradient of the parameter from the node's output gradients.
@@ -102,7 +126,7 @@ class Broadcast:
         if out[0] == samples and stride * samples == out.numel() and self.aligned[0] == 1:
             summed = grads.sum_to_size(v, samples, *self.aligned[1:])  # axis 0
             return summed.reshape(v, samples, *self.param).to(self.dtype)
-        index = self._index(out, stride, samples)[:, 0].reshape(-1)
+        index = self._index(out, stride, samples, 0)
         source = grads.reshape(v, -1, samples, stride).transpose(1, 2)
         source = source.reshape(v, samples, -1)
         result = grads.new_zeros(v, samples, math.prod(self.param))
@@ -384,22 +408,75 @@ def _candidate_strides(out: torch.Size, samples: int) -> list[int]:
     return found
 
 
-def _probe(
+class _Sightings:
+    """What the probes saw at one reader's output, compactly (5 bytes a position).
+
+    ``code``: the bits of the sample index, set by the probes of each bit's 1-half;
+    ``reached``: a probe reached the position; ``mixed``: both halves of a bit did (two
+    samples that differ reach it); ``ones``: the 1-half of the current bit did.
+    """
+
+    def __init__(self, size: int, bits: int):
+        self.code = torch.zeros(size, dtype=torch.int16 if bits < 16 else torch.int32)
+        self.reached = torch.zeros(size, dtype=torch.bool)
+        self.mixed = torch.zeros(size, dtype=torch.bool)
+        self.ones: Tensor | None = None
+
+    def see(self, probe: int, hit: Tensor) -> None:
+        bit, half = divmod(probe, 2)
+        self.reached |= hit
+        if half == 0:  # the samples whose bit is 1
+            self.code |= hit.to(self.code.dtype) << bit
+            self.ones = hit
+        else:
+            self.mixed |= self.ones & hit
+            self.ones = None
+
+    def stride(self, reader: Reader, out: torch.Size, samples: int) -> int | None:
+        """The stride these sightings prove, if any."""
+        if bool(self.mixed.any()):
+            return None  # a position reached from samples that differ
+        position = self.reached.nonzero().squeeze(1)
+        candidates = torch.tensor(_candidate_strides(out, samples), dtype=torch.long)
+        if len(candidates) and len(position):
+            # a few positions rule out most candidates at once; survivors in full
+            few = position[torch.linspace(0, len(position) - 1, 64).long().unique()]
+            agree = (few[None] // candidates[:, None]) % samples == self.code[few][None]
+            candidates = candidates[agree.all(1)]
+        for stride in candidates.tolist():
+            if fits(reader, out, stride, samples) and self._agrees(
+                position, stride, samples
+            ):
+                return stride
+        return None
+
+    def _agrees(self, position: Tensor, stride: int, samples: int) -> bool:
+        for start in range(0, len(position), 1 << 16):  # bounded temporaries
+            part = position[start : start + (1 << 16)]
+            if not bool(((part // stride) % samples == self.code[part]).all()):
+                return False
+        return True
+
+
+def _group_strides(
     target: Tensor | GradientEdge,
     frontier: Sequence[GradientEdge],
-    edges: list[GradientEdge],
+    readers: Sequence[Reader],
+    outs: Sequence[torch.Size],
     grads: Tensor,
-    masks: list[Tensor],
-    generator: torch.Generator,
-) -> list[Tensor]:
-    """``[len(masks), F]`` per edge: the output positions that each mask's vectors reach.
-
-    Random vectors from the samples in each mask, as many per pass as the sweep's own
-    columns (so the probes need no more memory than a pass).
-    """
-    sizes = [math.prod(grad_shape(edge.node, edge.output_nr) or (0,)) for edge in edges]
-    hits = [torch.zeros(len(masks), size, dtype=torch.bool) for size in sizes]
-    step = max(1, grads.shape[0])
+) -> list[int | None]:
+    """The strides of a group of readers, from ``2 bits`` probes through the region."""
+    n = grads.shape[1]
+    bits = (n - 1).bit_length()
+    samples = torch.arange(n, device=grads.device)
+    masks = []
+    for bit in range(bits):
+        ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
+        masks += [ones, ~ones]  # probe 2b: bit b is 1; probe 2b + 1: it is 0
+    seen = [_Sightings(out.numel(), bits) for out in outs]
+    generator = torch.Generator(device=grads.device).manual_seed(0)
+    edges = [reader.edge for reader in readers]
+    step = max(1, grads.shape[0])  # as many probes per pass as the sweep's columns
     with blocked(frontier):
         for start in range(0, len(masks), step):
             part = torch.stack(masks[start : start + step])  # [P, N]
@@ -408,37 +485,22 @@ def _probe(
                 device=grads.device,
             ).add_(0.5)  # fmt: skip
             probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
-            results = batched_grad([target], edges, [probe])
-            for k, result in enumerate(results):
-                if result is not None:
-                    reached = result.reshape(len(part), -1).ne(0).cpu()
-                    hits[k][start : start + len(part)] = reached
-    return hits
-
-
-def _stride(reader: Reader, out: torch.Size, hit: Tensor, samples: int) -> int | None:
-    """The stride that the probes' hits (``[2 bits, F]``) prove, if any."""
-    ones, zeros = hit[0::2], hit[1::2]  # [bits, F]
-    if bool((ones & zeros).any()):
-        return None  # a position reached from samples that differ
-    reached = (ones | zeros).any(0)
-    weights = torch.tensor([1 << bit for bit in range(len(ones))])
-    sample = (ones.long() * weights[:, None]).sum(0)[reached]
-    position = torch.arange(out.numel())[reached]
-    candidates = torch.tensor(_candidate_strides(out, samples), dtype=torch.long)
-    if len(candidates) == 0:
-        return None
-    # a few positions first rule out most candidates at once, then each survivor in full
-    few = torch.linspace(0, max(len(position) - 1, 0), 64).long().unique()
-    if len(position):
-        agree = (position[few][None] // candidates[:, None]) % samples == sample[few][None]
-        candidates = candidates[agree.all(1)]
-    for stride in candidates.tolist():
-        if bool(((position // stride) % samples == sample).all()) and fits(
-            reader, out, stride, samples
-        ):
-            return stride
-    return None
+            results = list(batched_grad([target], edges, [probe]))
+            del probe
+            for k in range(len(results)):
+                result, results[k] = results[k], None
+                for j in range(len(part)):
+                    hit = (
+                        torch.zeros(outs[k].numel(), dtype=torch.bool)
+                        if result is None
+                        else result[j].reshape(-1).ne(0).cpu()
+                    )
+                    seen[k].see(start + j, hit)
+                del result
+    return [
+        sight.stride(reader, out, n)
+        for reader, out, sight in zip(readers, outs, seen, strict=True)
+    ]
 
 
 def sample_strides(
@@ -446,6 +508,7 @@ def sample_strides(
     frontier: Sequence[GradientEdge],
     readers: Sequence[Reader],
     grads: Tensor,
+    room: int | None = None,
 ) -> list[int | None]:
     """Prove where each reader's output holds which sample (see the module).
 
@@ -459,6 +522,8 @@ def sample_strides(
         readers: The readers of its parameters.
         grads: ``[V, N, ...]`` vectors at ``target`` (their shape, dtype, device; ``V``
             sets how many probes go in one pass, so they need no more memory).
+        room: Most output elements per sample of readers probed together (``None``:
+            all at once).
 
     Returns:
         Per reader, the samples' stride in its flattened output, or ``None`` where no
@@ -473,15 +538,47 @@ def sample_strides(
         ]
     if not grads.is_floating_point() or any(out is None for out in outs):
         return [None] * len(readers)
-    samples = torch.arange(n, device=grads.device)
-    masks = []
-    for bit in range((n - 1).bit_length()):
-        ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
-        masks += [ones, ~ones]  # probe 2b: bit b is 1; probe 2b + 1: it is 0
-    generator = torch.Generator(device=grads.device).manual_seed(0)
-    edges = [reader.edge for reader in readers]
-    hits = _probe(target, frontier, edges, grads, masks, generator)
-    return [
-        _stride(reader, out, hit, n)
-        for reader, out, hit in zip(readers, outs, hits, strict=True)
-    ]
+    strides: list[int | None] = []
+    for group in reader_groups([out.numel() // n for out in outs], room):
+        strides += _group_strides(
+            target, frontier, [readers[k] for k in group], [outs[k] for k in group], grads
+        )
+    return strides
+
+
+def reader_room(source: _Source, grads: Tensor) -> int:
+    """Elements per sample of readers' outputs that one pass over a region takes.
+
+    The region's own vectors, or the largest reader's (the memory bound reserves them:
+    a deep residual stream reads a layer scale or a projection in every block).
+
+    Args:
+        source: The glue region.
+        grads: ``[V, N, ...]`` vectors at its start.
+
+    Returns:
+        The count.
+    """
+    return max(grads[0, 0].numel(), source.reader_numel)
+
+
+def reader_groups(sizes: Sequence[int], room: int | None) -> list[list[int]]:
+    """Consecutive indices in groups of at most ``room`` elements (or one larger).
+
+    Args:
+        sizes: Each reader's output elements (per sample).
+        room: The most per group (``None``: one group).
+
+    Returns:
+        The groups, as lists of indices.
+    """
+    groups: list[list[int]] = []
+    held = 0
+    for k, size in enumerate(sizes):
+        if groups and (room is None or held + size <= room):
+            groups[-1].append(k)
+            held += size
+        else:
+            groups.append([k])
+            held = size
+    return groups

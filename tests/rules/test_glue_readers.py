@@ -339,7 +339,7 @@ def test_without_the_proof_the_reversed_answer_is_wrong(monkeypatch):
     model, loss_func, x, y = _problem("reversed", 3)
     first = reference_diag_ggn(model, loss_func, x[:1], y[:1])["bias"]
 
-    def axis0(target, frontier, readers, grads):  # as if axis 0 held the samples
+    def axis0(target, frontier, readers, grads, room=None):  # as if axis 0 held them
         return [
             grad_shape(r.edge.node, r.edge.output_nr).numel() // grads.shape[1]
             for r in readers
