@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -73,6 +73,28 @@ __all__ = [
 ]
 
 
+def _param_index(
+    aligned: torch.Size, out: torch.Size, stride: int, samples: int, first: int, count: int
+) -> Tensor:
+    """The parameter's flat index at the output positions of some samples.
+
+    Samples ``first`` to ``first + count - 1`` (at most the last), ``[count · F / N]``.
+    """
+    count = min(count, samples - first)
+    blocks = out.numel() // (samples * stride)
+    base = torch.arange(blocks)[:, None] * (samples * stride)
+    base = base + (first + torch.arange(count))[:, None, None] * stride
+    position = (base + torch.arange(stride)).reshape(-1)  # [count, blocks, stride]
+    index = torch.zeros_like(position)
+    step = 1
+    for size, read in zip(reversed(out), reversed(aligned), strict=True):
+        if read != 1:  # read along this axis: its coordinate counts
+            index += (position % size) * step
+            step *= size
+        position = position // size
+    return index
+
+
 @dataclass(frozen=True)
 class Broadcast:
     """A node reading a parameter broadcast against its output (see the module)."""
@@ -84,28 +106,21 @@ class Broadcast:
     scale: float = 1.0
     # the other factor of a product, or a norm's normalized input (made when asked)
     factor: Tensor | Callable[[], Tensor] | None = None
-
-    def _index(self, out: torch.Size, stride: int, samples: int, sample: int) -> Tensor:
-        """``[F / N]``: the parameter's flat index at one sample's output positions."""
-        blocks = out.numel() // (samples * stride)
-        position = torch.arange(blocks)[:, None] * (samples * stride) + sample * stride
-        position = (position + torch.arange(stride)[None]).reshape(-1)
-        index = torch.zeros_like(position)
-        step = 1
-        for size, read in zip(reversed(out), reversed(self.aligned), strict=True):
-            if read != 1:  # read along this axis: its coordinate counts
-                index += (position % size) * step
-                step *= size
-            position = position // size
-        return index
+    # the index of one sample's positions by stride: read in every pass (kept as long
+    # as the recording)
+    _indices: dict[tuple[int, int], Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
         """Whether the parameter's index is the same for every sample at this stride."""
-        first = self._index(out, stride, samples, 0)
+        first = _param_index(self.aligned, out, stride, samples, 0, 1)
+        chunk = max(1, (1 << 20) // max(len(first), 1))  # bounded temporaries
         return all(
-            bool((self._index(out, stride, samples, n) == first).all())
-            for n in range(1, samples)
-        )
+            bool((_param_index(self.aligned, out, stride, samples, n, chunk) ==
+                  first.repeat(min(chunk, samples - n))).all())
+            for n in range(1, samples, chunk)
+        )  # fmt: skip
 
     def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
         """Each sample's gradient of the parameter from the node's output gradients.
@@ -126,7 +141,10 @@ class Broadcast:
         if out[0] == samples and stride * samples == out.numel() and self.aligned[0] == 1:
             summed = grads.sum_to_size(v, samples, *self.aligned[1:])  # axis 0
             return summed.reshape(v, samples, *self.param).to(self.dtype)
-        index = self._index(out, stride, samples, 0)
+        key = (stride, samples)
+        if key not in self._indices:
+            self._indices[key] = _param_index(self.aligned, out, stride, samples, 0, 1)
+        index = self._indices[key]
         source = grads.reshape(v, -1, samples, stride).transpose(1, 2)
         source = source.reshape(v, samples, -1)
         result = grads.new_zeros(v, samples, math.prod(self.param))
