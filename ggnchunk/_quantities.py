@@ -46,7 +46,7 @@ from ggnchunk._autograd import (
 )
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._graph.readers import per_sample as read_per_sample
-from ggnchunk._graph.readers import reader_groups, reader_room
+from ggnchunk._graph.readers import reader_groups, reader_room, shared_edges
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
 
@@ -485,17 +485,19 @@ class _Products(Quantity):
         # N times the region)
         fast = recording.per_sample_readers(source, grads)
         found = [(i, pair) for i, pairs in fast.items() for pair in pairs]
-        sizes = [edge_numel(reader.edge) // n for _, (reader, _) in found]
+        edges = shared_edges([reader for _, (reader, _) in found])
+        sizes = [edge_numel(edge) // n for edge, _ in edges]
         for group in reader_groups(sizes, reader_room(source, grads)):
             with blocked(source.frontier):
                 results = list(batched_grad(
-                    [source.target], [found[k][1][0].edge for k in group], [grads]
+                    [source.target], [edges[g][0] for g in group], [grads]
                 ))  # fmt: skip
-            for j, k in enumerate(group):
+            for j, g in enumerate(group):
                 value, results[j] = results[j], None
-                i, (reader, stride) = found[k]
-                if value is not None:
-                    add(i, None, read_per_sample(reader, value, n, stride))
+                for k in edges[g][1]:
+                    i, (reader, stride) = found[k]
+                    if value is not None:
+                        add(i, None, read_per_sample(reader, value, n, stride))
                 del value
         # any other parameter: one pass per sample, the other samples' vectors zero
         # (a lookup's gradients added into rows: batched over columns)

@@ -52,6 +52,7 @@ from ggnchunk._autograd import (
     accumulated_variable,
     batched_grad,
     blocked,
+    edge_numel,
     gather_of,
     grad_shape,
     output_count,
@@ -70,6 +71,7 @@ __all__ = [
     "reader_groups",
     "reader_room",
     "sample_strides",
+    "shared_edges",
 ]
 
 
@@ -476,14 +478,31 @@ class _Sightings:
         return True
 
 
+def shared_edges(readers: Sequence[Reader]) -> list[tuple[GradientEdge, list[int]]]:
+    """The readers' distinct outputs, each with the indices of the readers reading there.
+
+    A norm's weight and bias are read at one output: its gradients are taken once.
+
+    Args:
+        readers: The readers.
+
+    Returns:
+        ``(edge, reader indices)`` pairs, in the readers' order.
+    """
+    found: dict[tuple[int, int], tuple[GradientEdge, list[int]]] = {}
+    for k, reader in enumerate(readers):
+        key = (id(reader.edge.node), reader.edge.output_nr)
+        found.setdefault(key, (reader.edge, []))[1].append(k)
+    return list(found.values())
+
+
 def _group_strides(
     target: Tensor | GradientEdge,
     frontier: Sequence[GradientEdge],
-    readers: Sequence[Reader],
-    outs: Sequence[torch.Size],
+    edges: Sequence[GradientEdge],
     grads: Tensor,
-) -> list[int | None]:
-    """The strides of a group of readers, from ``2 bits`` probes through the region."""
+) -> list[_Sightings]:
+    """What ``2 bits`` probes through the region see at each of ``edges``."""
     n = grads.shape[1]
     bits = (n - 1).bit_length()
     samples = torch.arange(n, device=grads.device)
@@ -491,9 +510,9 @@ def _group_strides(
     for bit in range(bits):
         ones = samples.bitwise_right_shift(bit).bitwise_and_(1).bool()
         masks += [ones, ~ones]  # probe 2b: bit b is 1; probe 2b + 1: it is 0
-    seen = [_Sightings(out.numel(), bits) for out in outs]
+    sizes = [edge_numel(edge) for edge in edges]
+    seen = [_Sightings(size, bits) for size in sizes]
     generator = torch.Generator(device=grads.device).manual_seed(0)
-    edges = [reader.edge for reader in readers]
     step = max(1, grads.shape[0])  # as many probes per pass as the sweep's columns
     with blocked(frontier):
         for start in range(0, len(masks), step):
@@ -503,22 +522,19 @@ def _group_strides(
                 device=grads.device,
             ).add_(0.5)  # fmt: skip
             probe *= part.view(*part.shape, *(1,) * (grads.dim() - 2))
-            results = list(batched_grad([target], edges, [probe]))
+            results = list(batched_grad([target], list(edges), [probe]))
             del probe
             for k in range(len(results)):
                 result, results[k] = results[k], None
                 for j in range(len(part)):
                     hit = (
-                        torch.zeros(outs[k].numel(), dtype=torch.bool)
+                        torch.zeros(sizes[k], dtype=torch.bool)
                         if result is None
                         else result[j].reshape(-1).ne(0).cpu()
                     )
                     seen[k].see(start + j, hit)
                 del result
-    return [
-        sight.stride(reader, out, n)
-        for reader, out, sight in zip(readers, outs, seen, strict=True)
-    ]
+    return seen
 
 
 def sample_strides(
@@ -556,11 +572,13 @@ def sample_strides(
         ]
     if not grads.is_floating_point() or any(out is None for out in outs):
         return [None] * len(readers)
-    strides: list[int | None] = []
-    for group in reader_groups([out.numel() // n for out in outs], room):
-        strides += _group_strides(
-            target, frontier, [readers[k] for k in group], [outs[k] for k in group], grads
-        )
+    strides: list[int | None] = [None] * len(readers)
+    edges = shared_edges(readers)
+    for group in reader_groups([edge_numel(edge) // n for edge, _ in edges], room):
+        seen = _group_strides(target, frontier, [edges[g][0] for g in group], grads)
+        for g, sight in zip(group, seen, strict=True):
+            for k in edges[g][1]:
+                strides[k] = sight.stride(readers[k], outs[k], n)
     return strides
 
 
