@@ -706,6 +706,8 @@ class GGNComputation:
         self, sqrt: SqrtHessianFactor, start: int, stop: int, windowed: bool
     ) -> None:
         self.quantity.begin(sqrt, start, stop)
+        # the passes the glue readers' proof is paid back over (:mod:`._graph.readers`)
+        self._recording.passes_ahead = -(-sqrt.num_columns // max(stop - start, 1))
         try:
             if windowed:  # one-hot columns on their output positions
                 seed = sqrt.windowed_columns(start, stop)

@@ -134,7 +134,7 @@ class Checks(Traversal):
         found = [reader for readers in source.readers.values() for reader in readers]
         if source.strides is None:
             room = reader_room(source, grads)
-            if READ_PER_SAMPLE_ALWAYS or _worth_it(found, grads, room):
+            if READ_PER_SAMPLE_ALWAYS or _worth_it(found, grads, room, self.passes_ahead):
                 # half the products' room: the probes' sightings take 5 bytes a position
                 source.strides = sample_strides(
                     source.target, source.frontier, found, grads, max(1, room // 2)
@@ -150,16 +150,17 @@ class Checks(Traversal):
         return result
 
 
-def _worth_it(readers: list[Reader], grads: Tensor, room: int) -> bool:
+def _worth_it(readers: list[Reader], grads: Tensor, room: int, passes: int) -> bool:
     """Whether the readers cross the region fewer times than one pass per sample.
 
     The proof's probes (``2⌈log₂ N⌉`` vectors, as many per pass as the sweep's columns,
-    per group of readers) and a pass per group for the products, against ``N`` passes;
-    with one more pass's worth of margin for the proof's own work (measured: timm's
-    ConvNeXt-atto with 5 images took 0.20 s read per sample, 0.15 s one at a time).
+    per group of readers) once, and a pass per group for the products in each of the
+    ``passes``, against ``N`` passes in each; with one more pass's worth of margin for
+    the proof's own work (measured: timm's ConvNeXt-atto with 5 images in one pass took
+    0.20 s read per sample, 0.15 s one sample at a time).
     """
     v, n = grads.shape[:2]
     sizes = [edge_numel(edge) // n for edge, _ in shared_edges(readers)]
     probes = 2 * (n - 1).bit_length()
     proof = len(reader_groups(sizes, max(1, room // 2))) * -(-probes // v)
-    return proof + len(reader_groups(sizes, room)) + 1 < n
+    return proof + len(reader_groups(sizes, room)) * passes + 1 < n * passes

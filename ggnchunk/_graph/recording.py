@@ -78,6 +78,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._seen: dict[tuple[str, int], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
         self._glue_plans: dict[EdgeKey, Any] = {}  # glue regions' windowed plans
+        self.passes_ahead = 1  # passes of the forward pass's columns, at this pass's size
         self._geometric: bool | None = None  # whether boxes follow the geometry alone
         self.windowed_sweeps = 0
         self.images = FieldCache()  # the windowed fields' images, reused by every sweep

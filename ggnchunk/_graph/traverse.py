@@ -35,6 +35,7 @@ class Traversal:
     fallbacks: dict[str, str]
     window_ends: dict[str, str]
     windowed_sweeps: int
+    passes_ahead: int
     _batch: int
     _params: list[nn.Parameter]
     _sources: dict[EdgeKey, _Source]
