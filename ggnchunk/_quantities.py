@@ -472,12 +472,14 @@ class _Products(Quantity):
         v, n = grads.shape[:2]
 
         def add(i: int, sample: int | None, value: Tensor) -> None:
-            if i not in buffers:
-                shape = value.shape[2:] if sample is None else value.shape[1:]
-                buffers[i] = value.new_zeros(v, n, *shape)
-            if sample is None:
+            if sample is None and i not in buffers:
+                # a copy: a reader's products can be a view of the vectors themselves
+                buffers[i] = value.clone(memory_format=torch.contiguous_format)
+            elif sample is None:
                 buffers[i] += value
             else:
+                if i not in buffers:
+                    buffers[i] = value.new_zeros(v, n, *value.shape[1:])
                 buffers[i][:, sample] += value
 
         # parameters whose readers are proven per sample (:mod:`._graph.readers`): every
