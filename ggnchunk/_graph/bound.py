@@ -65,7 +65,7 @@ class MemoryBound(Traversal):
 
         waiting = Meeting()
 
-        def sized(where: str, call: Call, full: int) -> int:
+        def sized(where: str, call: Call, full: int) -> int:  # at a layer
             if not windowed or ("dense", call.index) in seen:
                 return full
             return min(full, 2 * seen.get((where, call.index), full))
@@ -75,10 +75,10 @@ class MemoryBound(Traversal):
             worst = max(worst, waiting.total() + extra)
 
         def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
-            ends = [self.calls[self._out_keys[edge_key(e)]] for e in source.frontier]
+            full = [(e, self._end_numel(e)) for e in source.frontier]
             if windowed and size < source.numel:  # a cat sliced on the boxes, or
                 # a region crossed on them (:mod:`.glue_windows`)
-                outs = [(c.out_edge, sized("out", c, c.out_numel)) for c in ends]
+                outs = [(e, self._end_numel(e, seen)) for e in source.frontier]
                 glue_plan = self.glue_plan(source)
                 if glue_plan is not None or source.params:
                     added = sum(v for _, v in outs)
@@ -86,7 +86,7 @@ class MemoryBound(Traversal):
                     if glue_plan is not None:  # max poolings' index maps
                         buffers += -(-glue_plan.index_bytes // element)
                     if glue_plan is None or glue_plan.handoffs:  # dense from a node on
-                        buffers += 2 * (source.numel + sum(c.out_numel for c in ends))
+                        buffers += 2 * (source.numel + sum(v for _, v in full))
                         buffers += -(-source.workspace // n)
                     if source.params:  # the parameters' products: dense vectors
                         buffers += (
@@ -95,7 +95,7 @@ class MemoryBound(Traversal):
                         )  # fmt: skip
                     settle(size + added + max(buffers, source.inner))
                 return outs
-            added = sum(call.out_numel for call in ends)
+            added = sum(v for _, v in full)
             buffers = max(2 * (size + added), source.inner) + -(-source.workspace // n)
             if source.params:
                 # the samples' vectors one at a time, or the readers' gradients (a
@@ -103,7 +103,7 @@ class MemoryBound(Traversal):
                 buffers += size + 2 * source.reader_numel
                 buffers += sum(self._params[i].numel() for i in source.params)
             settle(size + added + buffers)
-            return [(call.out_edge, call.out_numel) for call in ends]
+            return full
 
         def layer(call: Call, size: int) -> int | None:
             rule = _rule_bytes(call, element)[0] // (element * n)
@@ -124,6 +124,29 @@ class MemoryBound(Traversal):
         self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
         shared_total = sum(self._params[i].numel() for i in self.shared)
         return int(self.size_margin() * (worst + shared_total) * n * element)
+
+    def _end_numel(self, edge: GradientEdge, seen: dict[Any, int] | None = None) -> int:
+        """A frontier edge's elements per column and sample (twice a windowed sweep's).
+
+        Args:
+            edge: A layer output, or another region's source (a cut).
+            seen: The windowed sweeps' sizes (:attr:`_seen`); ``None``: the full size.
+
+        Returns:
+            The full size, or twice the largest the windowed sweeps had there (a margin
+            for how boxes align), never more than the full size.
+        """
+        key = edge_key(edge)
+        if key in self._out_keys:
+            call = self.calls[self._out_keys[key]]
+            full, place = call.out_numel, ("out", call.index)
+            if seen is not None and ("dense", call.index) in seen:
+                return full
+        else:
+            full, place = self._sources[key].numel, ("source", key)
+        if seen is None:
+            return full
+        return min(full, 2 * seen.get(place, full))
 
     def size_margin(self) -> float:
         """The factor on the sizes for what they leave out: 1.5 with maps, else 1.

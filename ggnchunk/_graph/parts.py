@@ -52,6 +52,9 @@ class _Source:
     last_consumer: int  # the glue is pushed after this call index is done
     direct: bool = False  # the source is a layer output itself (no glue in between)
     frontier: list[GradientEdge] = field(default_factory=list)
+    # the frontier's other regions' sources (not layer outputs): the region's vectors
+    # wait there, and the sweep blocks them while crossing (:mod:`.traverse`)
+    cuts: list[EdgeKey] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # parameter indices used in the glue
     workspace: int = 0  # elements per column its nodes allocate (folded attention)
     # elements per column and sample of the largest node's gradients in and out (an

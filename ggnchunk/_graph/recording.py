@@ -66,7 +66,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         self.calls: list[Call] = []
         self._handles: list[Any] = []
         self._sources: dict[EdgeKey, _Source] = {}
-        self._order: list[EdgeKey] = []  # model output source first
+        # call index -> the glue sources crossed once it is done (downstream first)
+        self._crossings: dict[int, list[EdgeKey]] = {}
         self._out_keys: dict[EdgeKey, int] = {}
         self.shared: set[int] = set()
         self.output_key: EdgeKey | None = None
@@ -230,7 +231,36 @@ class Recording(Sweeps, MemoryBound, Checks):
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
-        self._order = sorted(self._sources, key=lambda k: -self._sources[k].last_consumer)
+        self._schedule_crossings()
+
+    def _schedule_crossings(self) -> None:
+        """When each glue region is crossed: once every place its vectors come from is done.
+
+        A region's vectors come from the calls that take its source as input and from
+        the regions cut at it (:meth:`_walk`). It is crossed after the last of them in
+        the sweep's (reverse) order, and after every region that feeds it where they
+        are due at the same call.
+        """
+        feeding: dict[EdgeKey, int] = {key: 0 for key in self._sources}
+        for source in self._sources.values():
+            for key in source.cuts:
+                feeding[key] += 1
+        order, ready = [], [k for k, count in feeding.items() if count == 0]
+        while ready:  # downstream first (Kahn's order over the cuts)
+            key = ready.pop()
+            order.append(key)
+            for cut in self._sources[key].cuts:
+                feeding[cut] -= 1
+                if feeding[cut] == 0:
+                    ready.append(cut)
+        due = {key: self._sources[key].last_consumer for key in order}
+        for key in order:
+            for cut in self._sources[key].cuts:
+                due[cut] = min(due[cut], due[key])
+        self._crossings = {}
+        for key in order:
+            if key != self.output_key:
+                self._crossings.setdefault(due[key], []).append(key)
 
     def _stop_without_parameters(self) -> None:
         """Cut the sweeps where no trainable parameter is upstream.
@@ -249,9 +279,12 @@ class Recording(Sweeps, MemoryBound, Checks):
                     behind[key] = reach[self._out_keys[key]]
                 else:
                     behind[key] = bool(source.params) or any(
-                        reach[self._out_keys[edge_key(e)]] for e in source.frontier
+                        ended(edge_key(e)) for e in source.frontier
                     )
             return behind[key]
+
+        def ended(key: EdgeKey) -> bool:  # a frontier edge: a layer output or a cut
+            return reach[self._out_keys[key]] if key in self._out_keys else upstream(key)
 
         for call in self.calls:  # forward order: every call upstream is settled
             back = call.source is not None and upstream(edge_key(call.source))
@@ -259,9 +292,8 @@ class Recording(Sweeps, MemoryBound, Checks):
             if call.source is not None and not back:
                 call.leaf = call.source = None  # nothing to pass back to
         for source in self._sources.values():
-            source.frontier = [
-                e for e in source.frontier if reach[self._out_keys[edge_key(e)]]
-            ]
+            source.frontier = [e for e in source.frontier if ended(edge_key(e))]
+            source.cuts = [k for k in source.cuts if upstream(k)]
         self._sources = {
             key: source for key, source in self._sources.items()
             if key == self.output_key or behind.get(key, False)
@@ -309,6 +341,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         # every reader of a parameter (:mod:`.readers`), None for any other node
         readers: dict[int, list[Reader | None]] = {}
         stack, seen = [node], set()
+        cuts: list[EdgeKey] = []
         inner = 0
         root = accumulated_variable(node) if node is not None else None
         if root is not None and id(root) in self._param_index:  # the glue is a parameter
@@ -329,6 +362,14 @@ class Recording(Sweeps, MemoryBound, Checks):
                 if key in self._out_keys:
                     frontier[key] = self.calls[self._out_keys[key]].out_edge
                     continue
+                cut = self._sources.get(key)
+                if cut is not None and CUT_AT_SOURCES and _cuttable(nxt, key, self):
+                    # another region's source: its vectors wait there and cross it
+                    # once, with that region's own (a residual stream is crossed once
+                    # per pass, not once per later region)
+                    frontier[key] = cut.target
+                    cuts.append(key)
+                    continue
                 behind = param_behind(nxt)  # a parameter, maybe behind views or .T
                 if behind is None or id(behind[0]) not in self._param_index:
                     stack.append(nxt)
@@ -339,6 +380,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 params.add(index)
                 readers.setdefault(index, []).append(read_by(current, position, *behind))
         source.frontier = list(frontier.values())
+        source.cuts = cuts
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = _only(readers, Gather)
@@ -352,6 +394,21 @@ class Recording(Sweeps, MemoryBound, Checks):
     def params(self) -> list[nn.Parameter]:
         """The trainable parameters, in ``named_parameters()`` order."""
         return self._params
+
+
+# the internal switch (tests, benchmarks): False walks every region to the layer outputs,
+# through the regions behind it, as before the cuts (each region crossed per later one)
+CUT_AT_SOURCES = True
+
+
+def _cuttable(node: Node, key: EdgeKey, recording: Recording) -> bool:
+    """Whether a region's walk may stop at another region's source ``key`` (at ``node``).
+
+    Not at the model output (its vectors are the seed, pushed first), and only at a node
+    with one output: the sweep blocks the cut nodes while crossing (their gradients are
+    taken, not passed on), which would block the other outputs' paths too.
+    """
+    return key != recording.output_key and output_count(node) == 1
 
 
 def _only(

@@ -22,6 +22,7 @@ from ggnchunk._autograd import (
     GradientEdge,
     SlowBackwardWarning,
     batched_grad,
+    blocked,
     edge_key,
     noting,
 )
@@ -56,6 +57,16 @@ class Sweeps(Traversal):
         """
 
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
+            if windows:
+                self._see("source", source.key, grads, source.numel)
+            if not source.cuts:
+                return crossed(source, grads)
+            # the other regions' sources it is cut at: their gradients are taken, and
+            # their nodes pass nothing on (their own regions cross them, once)
+            with blocked([self._sources[key].target for key in source.cuts]):
+                return crossed(source, grads)
+
+        def crossed(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
             found: list[tuple[GradientEdge, Any]] = []
             block = grads if isinstance(grads, Windowed) else None
             split = None if block is None else self._split_channels(source, block)
@@ -236,7 +247,7 @@ class Sweeps(Traversal):
             return None
         return parts
 
-    def _see(self, where: str, index: int, value: Any, full: int) -> None:
+    def _see(self, where: str, index: Any, value: Any, full: int) -> None:
         """Remember the largest size per column and sample a windowed sweep had."""
         if value is None:
             return
@@ -351,14 +362,19 @@ class Sweeps(Traversal):
             (back,) = batched_grad([call.out_edge], [call.leaf], [grads], self._note(call))
         return back
 
-    def _call_at(self, edge: GradientEdge) -> Call:
-        return self.calls[self._out_keys[edge_key(edge)]]
+    def _end_name(self, edge: GradientEdge) -> str:
+        """A frontier edge in words: a layer's output, or another region's source."""
+        key = edge_key(edge)
+        if key in self._out_keys:
+            return _display(self.calls[self._out_keys[key]].name)
+        consumer = self.calls[self._sources[key].last_consumer]
+        return f"the input of {_display(consumer.name)}"
 
     def _place(self, where: Call | _Source) -> str:
         """A layer call or glue region, in words."""
         if isinstance(where, Call):
             return f"{_display(where.name)} ({type(where.ctx.module).__name__})"
-        ends = [_display(self._call_at(e).name) for e in where.frontier]
+        ends = [self._end_name(e) for e in where.frontier]
         after = f" after {', '.join(ends[:3])}" if ends else ""
         before = (
             "the model output" if where.last_consumer >= len(self.calls)

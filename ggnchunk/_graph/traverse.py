@@ -40,6 +40,7 @@ class Traversal:
     _params: list[nn.Parameter]
     _sources: dict[EdgeKey, _Source]
     _out_keys: dict[EdgeKey, int]
+    _crossings: dict[int, list[EdgeKey]]
     _seen: dict[tuple[str, int], int]
     _by_values: bool
     _glue_plans: dict[EdgeKey, Any]
@@ -76,8 +77,9 @@ class Traversal:
 
         Vectors meeting at one place are added. ``layer(call, vectors)`` does the layer's
         work and returns the vectors at its input (``None``: nothing passes on); once
-        every consumer of a glue region's source is done, ``glue(source, vectors)``
-        returns ``(edge, vectors)`` for the layer outputs the region reaches, so each
+        every consumer of a glue region's source is done (the calls taking it and the
+        regions cut at it), ``glue(source, vectors)`` returns ``(edge, vectors)`` for
+        the layer outputs and the other regions' sources the region reaches, so each
         region is crossed once.
 
         Args:
@@ -98,7 +100,8 @@ class Traversal:
             results = glue(source, value)
             for (edge, result), once in zip(results, _unshared(results), strict=True):
                 if result is not None:
-                    add(outs, edge_key(edge), result, fresh=once)
+                    end = edge_key(edge)  # a layer output, or another region's source
+                    add(outs if end in self._out_keys else srcs, end, result, fresh=once)
 
         push(self.output_key, seed, fresh=False)  # the caller's
         for call in reversed(self.calls):
@@ -109,23 +112,28 @@ class Traversal:
                     visit(f"the output of {_display(call.name)}", value)
                 back = layer(call, value)
                 del value
-            if call.source is None:
-                continue  # nothing of the layer's input needs vectors
-            key = edge_key(call.source)
-            if back is not None:
+            if call.source is not None and back is not None:
                 # a result of ggnchunk's own rules: nothing else holds it (a registered
                 # rule may return a tensor it keeps)
                 fresh = type(call.rule).__module__.startswith("ggnchunk.")
-                add(srcs, key, back, fresh=fresh)
-                del back
-            # the source's last consumer: its region is crossed now, also where this
-            # call got nothing (its output unused, as a feature computed and dropped)
-            # and the vectors waiting there came from the source's other consumers
-            if self._sources[key].last_consumer == call.index and key in srcs:
-                pending = srcs.pop(key)
-                if visit is not None:
-                    visit(f"the input of {_display(call.name)}", pending)
-                push(key, pending, fresh=waiting.is_fresh(pending))
+                add(srcs, edge_key(call.source), back, fresh=fresh)
+            del back
+            # the regions due now: every call taking their source and every region cut
+            # at it are done; crossed also where this call got nothing (its output
+            # unused, as a feature computed and dropped) and the vectors waiting there
+            # came from the source's other consumers
+            for key in self._crossings.get(call.index, ()):
+                if key in srcs:
+                    pending = srcs.pop(key)
+                    if visit is not None:
+                        consumer = self.calls[self._sources[key].last_consumer]
+                        visit(f"the input of {_display(consumer.name)}", pending)
+                    push(key, pending, fresh=waiting.is_fresh(pending))
+        if srcs:  # vectors never crossed on: a wrong answer, refused
+            raise RuntimeError(
+                "ggnchunk's sweep left vectors at glue it never crossed (a bug in the "
+                "order of its glue regions): please report it with the model."
+            )
 
 
 def _unshared(results: list[tuple[Any, Any]]) -> list[bool]:

@@ -176,9 +176,16 @@ def test_the_report_shows_the_one_time_set_up_of_the_first_budgeted_call():
     # the code the call paged in (RssFile), as pages mapped from files (statm's shared,
     # which also holds shared memory: never less)
     assert first[1] >= first[2], first
-    assert second[:2] == [0.0, 0]  # once per process
+    # once per process: no set-up runs again, and the code a later call pages in is at
+    # most a block or two of the kernel's fault-around (16 pages mapped per fault),
+    # which depends on what ran before it (measured: 0 or 64 KiB, as the sweep's
+    # Python code changed)
+    assert second[0] == 0.0 and second[1] <= 2 * _FAULT_AROUND, second
     assert glue_first[0] > 0 and glue_first[1] > 0  # torch.func, before the baseline
-    assert glue_second[:2] == [0.0, 0]
+    assert glue_second[0] == 0.0 and glue_second[1] <= 2 * _FAULT_AROUND, glue_second
+
+
+_FAULT_AROUND = 16 * 4096
 
 
 _MAPPED = """

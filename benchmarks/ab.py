@@ -1,0 +1,93 @@
+"""What the side-by-side (A/B) benchmarks share: the setting, alternating timings, output.
+
+An A/B benchmark runs the same ``diag_ggn`` call with an internal switch on and off in
+one process at 1 thread, alternating: one untimed call of each, then the best of
+``repeats`` timed calls. :func:`alternate` does that; :func:`environment` and
+:func:`write` record the setting and write ``NAME.json`` and ``NAME.md`` (and the plot)
+into the run's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def environment(repeats: int) -> dict:
+    """The run's setting: machine, torch, Python, commit, threads and repeats."""
+    import torch
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "torch": torch.__version__, "python": sys.version.split()[0], "commit": commit,
+        "threads": torch.get_num_threads(), "repeats": repeats,
+    }  # fmt: skip
+
+
+def alternate(
+    paths: dict[str, Callable[[], Any]], call: Callable[[], Any], repeats: int
+) -> dict[str, dict]:
+    """Time ``call`` under each path's setting, alternating; one untimed round first.
+
+    Args:
+        paths: ``{name: set}``: ``set()`` switches the path on before its call.
+        call: The call; returns ``(diag, report)`` (``diag_ggn(..., return_report=True)``).
+        repeats: Timed calls per path.
+
+    Returns:
+        ``{name: {"seconds", "all_seconds", "passes", "peak_mib", "diag"}}``: the best
+        time, every time, and the last call's passes, peak and diagonal.
+    """
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    result: dict[str, dict] = {}
+    for round_ in range(repeats + 1):
+        for name, switch in paths.items():
+            switch()
+            start = time.perf_counter()
+            diag, report = call()
+            if round_:  # the first round is untimed
+                seconds[name].append(time.perf_counter() - start)
+            peak = report.peak_extra_bytes
+            result[name] = {
+                "passes": report.num_passes,
+                "peak_mib": None if peak is None else peak / 2**20,
+                "diag": diag,
+            }
+    for name in paths:
+        result[name].update(seconds=min(seconds[name]), all_seconds=seconds[name])
+    return result
+
+
+def relative_gap(a: dict, b: dict) -> float:
+    """The largest difference of two diagonals, relative to each parameter's largest."""
+    return max(
+        float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)) for k in a
+    )
+
+
+def write(
+    out: Path, name: str, record: dict, table: str, plot: Callable[[Path], None]
+) -> None:
+    """Write ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``out`` (made if missing).
+
+    Args:
+        out: The run's folder.
+        name: The files' stem.
+        record: The JSON's content (the environment and the rows).
+        table: The markdown table.
+        plot: Draws the plot into the path it is given (needs matplotlib).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{name}.md").write_text(table)
+    plot(out / f"{name}.png")
+    print(table)

@@ -1,0 +1,217 @@
+"""Glue regions cut at other regions' sources against regions walked to the layers (#21).
+
+``python -m benchmarks.glue_cuts [--out DIR] [--quick]``: in one process at 1 thread,
+alone on the machine. A residual stream is glue that reaches every earlier block: walked
+to the layer outputs, each later region crossed it again, and the attention and norms on
+it, once per region (work growing with depth²). Cut at the regions' sources
+(:data:`ggnchunk._graph.recording.CUT_AT_SOURCES`), vectors wait where another region
+starts and cross it once. Each ``diag_ggn`` call runs with the cuts and without them,
+alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the best of
+three (one with ``--quick``).
+
+Writes ``glue_cuts.json``, ``glue_cuts.md`` and ``glue_cuts.png`` into ``--out``
+(default ``benchmarks/results/glue-cuts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import ab
+
+
+def _cases() -> list[tuple[str, int, dict, object]]:
+    """``(title, N, diag_ggn's chunking, build)``; ``build()`` gives the problem."""
+    import torch
+    from torch import nn
+    from torchvision.models import VisionTransformer
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    from benchmarks import problems
+
+    class Encoder(nn.Module):
+        """Token ids → ``nn.TransformerEncoder`` (width 64) → mean → head."""
+
+        def __init__(self, layers: int):
+            super().__init__()
+            self.embed = nn.Embedding(1000, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, ids):
+            return self.head(self.encoder(self.embed(ids)).mean(1))
+
+    def vit(layers: int, n: int):
+        def build():
+            model = VisionTransformer(
+                image_size=32, patch_size=4, num_layers=layers, num_heads=2,
+                hidden_dim=64, mlp_dim=128, num_classes=10,
+            )  # fmt: skip
+            x = torch.randn(n, 3, 32, 32)
+            return model, nn.CrossEntropyLoss(), x, torch.randint(0, 10, (n,))
+
+        return build
+
+    def encoder(layers: int, n: int):
+        def build():
+            ids = torch.randint(0, 1000, (n, 32))
+            return Encoder(layers), nn.CrossEntropyLoss(), ids, torch.randint(0, 10, (n,))
+
+        return build
+
+    def convnext(n: int):
+        def build():
+            stages = [CNBlockConfig(16, 32, 2), CNBlockConfig(32, 64, 2)]
+            model = ConvNeXt([*stages, CNBlockConfig(64, None, 2)], num_classes=10)
+            x = torch.randn(n, 3, 32, 32)
+            return model, nn.CrossEntropyLoss(), x, torch.randint(0, 10, (n,))
+
+        return build
+
+    def problem(name: str):
+        return lambda: problems.build(name)
+
+    budget = {"max_memory": "256MiB"}
+    return [
+        ("torchvision ViT, 4 layers", 8, {}, vit(4, 8)),
+        ("torchvision ViT, 8 layers", 8, {}, vit(8, 8)),
+        ("torchvision ViT, 12 layers", 8, {}, vit(12, 8)),
+        ("torchvision ViT, 8 layers", 8, budget, vit(8, 8)),
+        ("torchvision ViT, 4 layers", 32, {}, vit(4, 32)),
+        ("nn.TransformerEncoder, 6 layers, 32 tokens", 8, {}, encoder(6, 8)),
+        ("torchvision ConvNeXt, 3 stages of 2 blocks", 16, {}, convnext(16)),
+        (
+            "GPT-2-style LM (tiny_gpt), per-token CE",
+            4,
+            {"num_chunks": 16},
+            problem("tiny_gpt"),
+        ),
+        (
+            "time-conditioned U-Net 2×3×32×32 (windowed)",
+            2,
+            {"max_memory": "64MiB"},
+            problem("time_unet_32"),
+        ),
+    ]
+
+
+def _rows(repeats: int) -> list[dict]:
+    import json
+
+    import torch
+
+    import ggnchunk
+    from ggnchunk._graph import recording
+
+    def switch(on: bool):
+        def set_() -> None:
+            recording.CUT_AT_SOURCES = on
+
+        return set_
+
+    rows = []
+    for title, n, chunking, build in _cases():
+        torch.manual_seed(0)
+        model, loss_func, x, y = build()
+        model.eval()
+        paths = {"walked": switch(False), "cut": switch(True)}
+        try:
+            result = ab.alternate(
+                paths,
+                lambda m=model, f=loss_func, x=x, y=y, c=chunking: ggnchunk.diag_ggn(
+                    m, f, x, y, return_report=True, **c
+                ),
+                repeats,
+            )
+        finally:
+            recording.CUT_AT_SOURCES = True
+        row = {
+            "problem": title, "batch": n, "chunking": chunking,
+            "max_relative_gap_float32": ab.relative_gap(
+                result["walked"]["diag"], result["cut"]["diag"]
+            ),
+        }  # fmt: skip
+        for path in paths:
+            result[path].pop("diag")
+            row[path] = result[path]
+        row["speedup"] = row["walked"]["seconds"] / row["cut"]["seconds"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _table(rows: list[dict], environment: dict) -> str:
+    lines = [
+        "# Glue regions cut at other regions' sources (issue 21)",
+        "",
+        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
+        f"{environment['commit']}, alone on the machine; float32; best of "
+        f"{environment['repeats']} after an untimed call, the two paths alternating in "
+        "one process. *walked*: each glue region walked to the layer outputs, through "
+        "the regions behind it (the internal switch off); *cut*: a region stops where "
+        "another region starts, whose vectors then cross it once. JSON beside this file.",
+        "",
+        "| problem | N | chunking | walked | cut | speed-up | passes | peak "
+        "(walked / cut) | float32 relative gap |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        a, b = r["walked"], r["cut"]
+        peaks = "/".join(
+            "–" if p["peak_mib"] is None else f"{p['peak_mib']:.0f}" for p in (a, b)
+        )
+        chunking = ", ".join(f"{k}={v}" for k, v in r["chunking"].items()) or "one pass"
+        lines.append(
+            f"| {r['problem']} | {r['batch']} | {chunking} | {a['seconds']:.2f} s "
+            f"| {b['seconds']:.2f} s | {r['speedup']:.1f}× | {a['passes']} / "
+            f"{b['passes']} | {peaks} MiB | {r['max_relative_gap_float32']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    labels = [
+        "\n".join(r["problem"].split(", ")[:2])
+        + f"\nN={r['batch']}{', budget' if 'max_memory' in r['chunking'] else ''}"
+        for r in rows
+    ]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["walked"]["seconds"] for r in rows], 0.4,
+           label="walked to the layers")  # fmt: skip
+    ax.bar([x + 0.2 for x in xs], [r["cut"]["seconds"] for r in rows], 0.4,
+           label="cut at the sources")  # fmt: skip
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (1 thread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison and write the JSON, the table and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/glue-cuts")
+    parser.add_argument("--quick", action="store_true", help="one timed call per path")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    repeats = 1 if args.quick else 3
+    environment = ab.environment(repeats)
+    rows = _rows(repeats)
+    record = {"environment": environment, "rows": rows}
+    table = _table(rows, environment)
+    ab.write(Path(args.out), "glue_cuts", record, table, lambda p: _plot(rows, p))
+
+
+if __name__ == "__main__":
+    main()
