@@ -11,14 +11,18 @@ calls), which autograd differentiates as recorded. Nothing is ever run again.
 
 **Plan.** For every place where glue begins (the model output, and the original tensor
 behind every cut), a walk over ``next_functions`` finds the layer outputs it reaches
-without passing another layer (its *frontier*) and the parameters it uses.
+without passing another layer, and the other regions' sources it reaches (its
+*frontier*), and the parameters it uses. A region cut at another's source leaves its
+vectors there, and that region is crossed once, after every region cut at it (a
+residual stream is crossed once per pass, not again by every later region); the cut
+nodes pass nothing on while the region is crossed.
 
 **Sweep.** For a chunk of square-root columns ``S`` (``[V, N, *output]``), the layers are
 visited in reverse call order (a reverse topological order): the vectors at a layer's
 output are complete once every later layer and the glue after it are done; the layer's
 rule turns them into parameter diagonals; autograd (batched over the ``V`` columns) moves
-them to the layer's input and, once every consumer of that input is done, through the
-glue to the frontier, where they are added up. A parameter used in the glue, or in more
+them to the layer's input and, once every consumer of that input is done (the layers
+and the regions cut at it), through the glue to the frontier, where they are added up. A parameter used in the glue, or in more
 than one place, gets per-(column, sample) products (one masked backward per sample
 through the glue that uses it) that are added over its uses before squaring.
 
