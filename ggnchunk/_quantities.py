@@ -154,6 +154,10 @@ class Quantity:
     batched = True
     windowed = False
     """Columns one-hot at output positions may be carried on boxes (the diagonal)."""
+    gram_only = False
+    """What it adds up depends on the columns only through each sample's Gram matrix
+    ``sum_v g_v g_v^T`` (the diagonal, Kronecker factors): the sweep may then replace the
+    columns by fewer with the same Gram (:mod:`ggnchunk._graph.compress`)."""
 
     def __init__(self, problem: Problem | None = None, samples: int = 0):
         self.problem = problem
@@ -554,6 +558,7 @@ class DiagonalGGN(_Products):
     """The GGN diagonal of the batch, one tensor per parameter (summed over samples)."""
 
     windowed = True
+    gram_only = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)
@@ -688,6 +693,8 @@ class KroneckerFactors(Quantity):
     :attr:`result` is ``(output factors, input factors)`` keyed by layer name; the output
     factors sum over the columns, the input factors are made once per forward pass.
     """
+
+    gram_only = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)

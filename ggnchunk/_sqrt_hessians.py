@@ -439,7 +439,9 @@ class BCEWithLogitsLossSqrtHessian(LossSqrtHessian):
 class _SoftmaxFactor(SqrtHessianFactor):
     """Square root of ``c * (diag(p) - p p^T)`` per sample and position.
 
-    Column ``j`` is class ``j // P`` at flattened position ``j % P`` (BackPACK's order):
+    Column ``j`` is class ``j % C`` at flattened position ``j // C`` (a position's classes
+    side by side, so that a chunk holds whole positions: below a vocabulary's head their
+    columns span the head's input width only, :mod:`ggnchunk._graph.compress`):
     ``S[j][n, c, s] = delta(s, s_j) * sqrt(c[n, s_j]) * (tau_c delta(c, c_j) - p_c tau_cj)``
     with ``tau = sqrt(p)``.
     """
@@ -472,7 +474,7 @@ class _SoftmaxFactor(SqrtHessianFactor):
             result *= self._sqrt_weight[:, 0].view(1, n, 1)
             return result.view(count, *self._shape)
         index = torch.arange(start, stop, device=device)
-        cls, pos = index // p, index % p
+        pos, cls = index // c, index % c
         local = torch.arange(count, device=device)
         result = self._prob.new_zeros(count, n, c, p)
         tau_j = self._tau[:, cls, pos].T  # [count, N]
@@ -488,7 +490,7 @@ class _SoftmaxFactor(SqrtHessianFactor):
         # S eps at (c, s) = sqrt(w_s) (tau_c eps_{c,s} - p_c sum_c' tau_c' eps_{c',s})
         count = noise.shape[0]
         n, c, p = self._prob.shape
-        eps = noise.view(count, n, c, p)
+        eps = noise.view(count, n, p, c).transpose(2, 3)  # the columns' order
         inner = (self._tau * eps).sum(2, keepdim=True)  # [K, N, 1, P]
         result = self._tau * eps - self._prob * inner
         result *= self._sqrt_weight.view(1, n, 1, p)

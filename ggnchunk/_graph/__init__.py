@@ -22,14 +22,18 @@ visited in reverse call order (a reverse topological order): the vectors at a la
 output are complete once every later layer and the glue after it are done; the layer's
 rule turns them into parameter diagonals; autograd (batched over the ``V`` columns) moves
 them to the layer's input and, once every consumer of that input is done (the layers
-and the regions cut at it), through the glue to the frontier, where they are added up. A parameter used in the glue, or in more
-than one place, gets per-(column, sample) products (one masked backward per sample
-through the glue that uses it) that are added over its uses before squaring.
+and the regions cut at it), through the glue to the frontier, where they are added up.
+A parameter used in the glue, or in more than one place, gets per-(column, sample)
+products (read per sample off one pass, or one masked backward per sample through the
+glue that uses it) that are added over its uses before squaring. Where the columns at a
+layer's input span few directions (below a vocabulary's head), they are replaced by
+fewer with the same Gram matrix (``compress``).
 
 **Layout.** ``parts`` (calls, glue sources), ``recording`` (hooks and plan; the class the
 engine holds), ``traverse`` (the one traversal), ``sweep`` (dense and windowed sweeps),
 ``bound`` (the memory bound, on sizes), ``checks`` (Kronecker factors, independent
-samples).
+samples), ``compress`` (fewer columns with the same Gram), ``readers`` (glue parameters'
+products per sample), ``glue_windows`` (glue crossed on windowed boxes).
 """
 
 from ggnchunk._autograd import SlowBackwardWarning

@@ -27,12 +27,17 @@ from ggnchunk._autograd import (
     noting,
 )
 from ggnchunk._checks import user_stacklevel
+from ggnchunk._graph.compress import compressed
 from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
 from ggnchunk._windows import Windowed, attach, dense, joined_coeffs, mix, window
 from ggnchunk._windows import add as add_vectors
+
+# the internal switch (tests, benchmarks): False keeps every column of the chunk to the
+# end of the sweep
+COMPRESS = True
 
 
 class Sweeps(Traversal):
@@ -123,7 +128,14 @@ class Sweeps(Traversal):
                 self._see("in", call.index, back, call.ctx.x[0].numel())
             return back
 
-        self._traverse(seed, layer, glue, visit)
+        # columns spanning few directions (below a vocabulary's head) replaced by fewer
+        # with the same Gram, where the quantity depends on nothing else and no
+        # parameter's per-column products are added over several uses
+        fewer = (
+            compressed if COMPRESS and quantity.gram_only and not windows
+            and not self.shared and visit is None else None
+        )  # fmt: skip
+        self._traverse(seed, layer, glue, visit, compress=fewer)
         self._warn_fallbacks()
         quantity.end(self)
 

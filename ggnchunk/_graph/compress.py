@@ -1,0 +1,88 @@
+"""Fewer columns with the same Gram matrix, where the columns live in a small space.
+
+Below a wide output layer the columns span few directions: a language model's head maps
+a token's ``C`` columns (one per word of the vocabulary) to its ``D``-wide input, and
+``C`` is often many times ``D``. What the diagonal and the Kronecker factors add up
+below depends on the columns only through each sample's Gram matrix
+``sum_v g_v g_v^T``, so any columns with the same Gram give the same result, exactly.
+
+Where every column is non-zero on one position of the first axis after the samples (a
+token), the Gram is block-diagonal over positions, and a position's block is
+``A^T A`` for its columns ``A`` (``[C, D]`` per sample). Its QR factor ``R``
+(``[min(C, D), D]``, ``R^T R = A^T A``) gives ``min(C, D)`` columns on that position in
+place of ``C``. Vectors without such an axis (``[V, N, D]``) are one block.
+
+The sweep replaces the columns only where nothing else of the sweep is alive (no other
+vectors waiting, no parameter whose per-column products are summed over several uses),
+so every later step sees the new columns alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# the columns are replaced only where they become at most this share of the old count
+WORTH = 0.5
+
+
+def compressed(vectors: Tensor) -> Tensor | None:
+    """Columns with the same per-sample Gram matrix as ``vectors``, where fewer.
+
+    Args:
+        vectors: ``[V, N, *shape]``: ``V`` columns for each of ``N`` samples.
+
+    Returns:
+        ``[V', N, *shape]`` with ``V' <= WORTH * V`` and, for every sample ``n``,
+        ``sum_v out[v, n] out[v, n]^T == sum_v vectors[v, n] vectors[v, n]^T`` (up to
+        rounding); ``None`` where no such columns are found (a column on several
+        positions, or not enough fewer).
+    """
+    if vectors.dim() < 3 or not vectors.is_floating_point() or vectors.is_complex():
+        return None
+    v, n = vectors.shape[:2]
+    if vectors.dim() == 3:  # one block: the features
+        width = vectors.shape[2]
+        if width > WORTH * v:
+            return None
+        whole = [torch.arange(v, device=vectors.device)]
+        return _blocks(vectors.unsqueeze(2), whole).squeeze(2)
+    positions, width = vectors.shape[2], vectors[0, 0, 0].numel()
+    if width > WORTH * v:  # no position can hold enough more columns than its width
+        return None
+    flat = vectors.reshape(v, n, positions, width)
+    live = flat.ne(0).any(dim=3).any(dim=1)  # [V, positions]; NaN counts as non-zero
+    counts = live.sum(dim=1)
+    if bool((counts > 1).any()):
+        return None  # a column on several positions: its block is not one position's
+    where = live.int().argmax(dim=1)
+    where = torch.where(counts == 1, where, positions)  # zero columns: dropped
+    groups = [torch.nonzero(where == p).flatten() for p in range(positions)]
+    if sum(min(len(g), width) for g in groups) > WORTH * v:
+        return None
+    return _blocks(flat, groups).reshape(-1, n, *vectors.shape[2:])
+
+
+def _blocks(flat: Tensor, groups: list[Tensor]) -> Tensor:
+    """Per position ``p``, the R factor of its columns ``groups[p]`` on it, per sample.
+
+    Args:
+        flat: ``[V, N, P, D]``.
+        groups: For each position, the columns non-zero on it (on no other).
+
+    Returns:
+        ``[sum_p min(len(groups[p]), D), N, P, D]``, each column on one position.
+    """
+    n, positions, width = flat.shape[1:]
+    sizes = [min(len(g), width) for g in groups]
+    out = flat.new_zeros(sum(sizes), n, positions, width)
+    start = 0
+    for p, (group, size) in enumerate(zip(groups, sizes, strict=True)):
+        if not size:
+            continue
+        block = flat[group, :, p].transpose(0, 1)  # [N, C, D]
+        # float64 for the factor (a float32 QR's rounding is the columns' own size)
+        r = torch.linalg.qr(block.double(), mode="r")[1]  # [N, min(C, D), D]
+        out[start : start + size, :, p] = r.transpose(0, 1).to(flat.dtype)
+        start += size
+    return out
