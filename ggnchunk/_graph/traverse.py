@@ -69,6 +69,7 @@ class Traversal:
         glue: Callable[[_Source, Tensor], list[tuple[GradientEdge, Any]]],
         visit: Callable[[str, Tensor], None] | None = None,
         waiting: _Waiting | None = None,
+        compress: Callable[[Tensor], Tensor | None] | None = None,
     ) -> None:
         """The one traversal: vectors from the output back over the calls.
 
@@ -88,6 +89,9 @@ class Traversal:
             glue: The work through a glue region.
             visit: Called with ``(where, vectors)`` at every layer output and input.
             waiting: Where the vectors wait between steps (sizes: read by the caller).
+            compress: Fewer columns for a layer's input vectors with the same Gram
+                matrix, or ``None`` (:mod:`.compress`); tried only where nothing else of
+                the sweep is alive, so every later step sees the new columns alone.
         """
         waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
@@ -116,6 +120,10 @@ class Traversal:
                 # a result of ggnchunk's own rules: nothing else holds it (a registered
                 # rule may return a tensor it keeps)
                 fresh = type(call.rule).__module__.startswith("ggnchunk.")
+                if compress is not None and not outs and not srcs:
+                    smaller = compress(back)
+                    if smaller is not None:
+                        back, fresh = smaller, True
                 add(srcs, edge_key(call.source), back, fresh=fresh)
             del back
             # the regions due now: every call taking their source and every region cut

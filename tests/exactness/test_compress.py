@@ -56,6 +56,27 @@ class WideClassifier(nn.Module):
         return self.head(self.body(x))
 
 
+class TwoHeads(nn.Module):
+    """Two wide heads on one feature: one head's columns meet the other's below them."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, WIDTH), nn.Tanh())
+        self.first = nn.Linear(WIDTH, VOCAB // 2)
+        self.second = nn.Linear(WIDTH, VOCAB // 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return torch.cat([self.first(h), self.second(h)], dim=1)
+
+
+def _two_heads(n: int):
+    torch.manual_seed(0)
+    model = TwoHeads().double().eval()
+    x = torch.randn(n, 6, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), x, torch.randint(0, VOCAB, (n,))
+
+
 def _lm(n: int, tied: bool = False):
     torch.manual_seed(0)
     model = TinyLM(tied).double().eval()
@@ -70,7 +91,10 @@ def _classifier(n: int):
     return model, nn.CrossEntropyLoss(), x, torch.randint(0, VOCAB, (n,))
 
 
-PROBLEMS = {"lm": _lm, "classifier": _classifier, "lm-tied": lambda n: _lm(n, True)}
+PROBLEMS = {
+    "lm": _lm, "classifier": _classifier, "lm-tied": lambda n: _lm(n, True),
+    "two-heads": _two_heads,
+}  # fmt: skip
 CHUNKINGS = {
     "onepass": {},
     "chunks3": {"num_chunks": 3},
@@ -105,6 +129,8 @@ def test_fewer_columns_match_the_brute_force(name, n, chunking, replaced):
     assert_diag_close(got, expected, rtol=1e-10, label=f"{name} n={n} {chunking}")
     if name == "lm-tied":  # the head's weight is also the lookup's: every column kept
         assert not replaced
+    elif name == "two-heads":  # not at a head (the other's columns wait at h): below
+        assert chunking != "onepass" or [b for b, _ in replaced] == [VOCAB]
     elif chunking in ("onepass", "batch-chunks"):
         # whole tokens (or samples) per pass: min(40, 4) columns for each
         assert replaced and all(after * 2 <= before for before, after in replaced)
