@@ -55,6 +55,8 @@ class _Source:
     # the frontier's other regions' sources (not layer outputs): the region's vectors
     # wait there, and the sweep blocks them while crossing (:mod:`.traverse`)
     cuts: list[EdgeKey] = field(default_factory=list)
+    # the walk's steps ``(parent's id, node)``, while the plan looks for overlaps
+    steps: list[Any] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # parameter indices used in the glue
     workspace: int = 0  # elements per column its nodes allocate (folded attention)
     # elements per column and sample of the largest node's gradients in and out (an

@@ -222,8 +222,8 @@ class Recording(Sweeps, MemoryBound, Checks):
                 self._add_source(
                     edge_key(call.source), call.source, call.ctx.x[0].numel(), call.index
                 )
+        self._walk_all()
         for source in self._sources.values():
-            self._walk(source)
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
         self._stop_without_parameters()
@@ -329,6 +329,60 @@ class Recording(Sweeps, MemoryBound, Checks):
         else:
             source.last_consumer = min(source.last_consumer, consumer)
 
+    def _walk_all(self) -> None:
+        """Walk every region; where regions still overlap, cut them at shared glue.
+
+        A region stops at another region's source (:meth:`_walk`). Where no layer reads
+        the glue that several regions reach (a residual stream whose norms are custom
+        modules: timm's ``LayerNorm``, Llama's ``RMSNorm``), the tensor where they
+        begin to overlap becomes a source of its own, read by those regions only, and
+        the regions are walked again (a few rounds at most).
+        """
+        for round_ in range(SHARED_ROUNDS + 1):
+            for source in self._sources.values():
+                self._walk(source)
+            if not CUT_AT_SOURCES or round_ == SHARED_ROUNDS:
+                break
+            entries = self._overlaps()
+            if not entries:
+                break
+            for key, (node, numel) in entries.items():
+                self._add_source(key, GradientEdge(node, 0), numel, SHARED)
+        for source in self._sources.values():
+            source.steps = []  # the walks' record, no longer needed
+
+    def _overlaps(self) -> dict[EdgeKey, tuple[Node, int]]:
+        """Where regions begin to overlap: nodes more regions reach than reach a parent.
+
+        Only a node with one output and a backward of its own (not a leaf's), whose
+        tensor is no layer output or source already.
+
+        Returns:
+            ``{edge key: (node, elements per sample)}`` of the new sources.
+        """
+        count: dict[int, int] = {}
+        for source in self._sources.values():
+            for node_id in {id(node) for _, node in source.steps}:
+                count[node_id] = count.get(node_id, 0) + 1
+        entries: dict[EdgeKey, tuple[Node, int]] = {}
+        for source in self._sources.values():
+            for parent, node in source.steps:
+                here = count[id(node)]
+                if here < 2 or count.get(parent, 1) >= here:
+                    continue
+                key = edge_key((node, 0))
+                if (
+                    key in entries or key in self._sources or key in self._out_keys
+                    or output_count(node) != 1 or not node.next_functions
+                    or accumulated_variable(node) is not None
+                ):  # fmt: skip
+                    continue
+                shape = grad_shape(node, 0)
+                if shape is None:
+                    continue
+                entries[key] = (node, -(-shape.numel() // self._batch))
+        return entries
+
     def _walk(self, source: _Source) -> None:
         if source.key in self._out_keys:
             source.direct = True
@@ -341,6 +395,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         # every reader of a parameter (:mod:`.readers`), None for any other node
         readers: dict[int, list[Reader | None]] = {}
         stack, seen = [node], set()
+        steps: list[tuple[int, Node]] = []  # (parent's id, node) for every step walked
         cuts: list[EdgeKey] = []
         inner = 0
         root = accumulated_variable(node) if node is not None else None
@@ -373,6 +428,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 behind = param_behind(nxt)  # a parameter, maybe behind views or .T
                 if behind is None or id(behind[0]) not in self._param_index:
                     stack.append(nxt)
+                    steps.append((id(current), nxt))
                     continue
                 # the views are the reader's business: not walked (they would count
                 # as another reader)
@@ -381,6 +437,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 readers.setdefault(index, []).append(read_by(current, position, *behind))
         source.frontier = list(frontier.values())
         source.cuts = cuts
+        source.steps = steps
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = _only(readers, Gather)
@@ -399,6 +456,10 @@ class Recording(Sweeps, MemoryBound, Checks):
 # the internal switch (tests, benchmarks): False walks every region to the layer outputs,
 # through the regions behind it, as before the cuts (each region crossed per later one)
 CUT_AT_SOURCES = True
+# rounds of sources added where regions overlap (:meth:`Recording._walk_all`)
+SHARED_ROUNDS = 3
+# the "consumer" of a source added where regions overlap: no layer reads it
+SHARED = 1 << 62
 
 
 def _cuttable(node: Node, key: EdgeKey, recording: Recording) -> bool:

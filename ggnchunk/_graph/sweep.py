@@ -379,8 +379,7 @@ class Sweeps(Traversal):
         key = edge_key(edge)
         if key in self._out_keys:
             return _display(self.calls[self._out_keys[key]].name)
-        consumer = self.calls[self._sources[key].last_consumer]
-        return f"the input of {_display(consumer.name)}"
+        return self.source_place(key)
 
     def _place(self, where: Call | _Source) -> str:
         """A layer call or glue region, in words."""
@@ -388,10 +387,7 @@ class Sweeps(Traversal):
             return f"{_display(where.name)} ({type(where.ctx.module).__name__})"
         ends = [self._end_name(e) for e in where.frontier]
         after = f" after {', '.join(ends[:3])}" if ends else ""
-        before = (
-            "the model output" if where.last_consumer >= len(self.calls)
-            else f"the input of {_display(self.calls[where.last_consumer].name)}"
-        )  # fmt: skip
+        before = self.source_place(where.key)
         return f"the operations before {before}{after}"
 
     def _note(self, where: Call | _Source) -> Callable[[str], None]:

@@ -62,6 +62,22 @@ class Traversal:
             )
         return self._glue_plans[source.key]
 
+    def source_place(self, key: EdgeKey) -> str:
+        """A glue region's source in words: the input of the layer that reads it.
+
+        Args:
+            key: The source.
+
+        Returns:
+            The place (a source added where regions overlap is read by no layer).
+        """
+        consumer = self._sources[key].last_consumer
+        if consumer < len(self.calls):
+            return f"the input of {_display(self.calls[consumer].name)}"
+        if key == self.output_key:
+            return "the model output"
+        return "glue that several regions reach"
+
     def _traverse(
         self,
         seed: Tensor,
@@ -107,7 +123,20 @@ class Traversal:
                     end = edge_key(edge)  # a layer output, or another region's source
                     add(outs if end in self._out_keys else srcs, end, result, fresh=once)
 
+        def cross_due(index: int) -> None:
+            # the regions due now: every call taking their source and every region cut
+            # at it are done; crossed also where this call got nothing (its output
+            # unused, as a feature computed and dropped) and the vectors waiting there
+            # came from the source's other consumers
+            for key in self._crossings.get(index, ()):
+                if key in srcs:
+                    pending = srcs.pop(key)
+                    if visit is not None:
+                        visit(self.source_place(key), pending)
+                    push(key, pending, fresh=waiting.is_fresh(pending))
+
         push(self.output_key, seed, fresh=False)  # the caller's
+        cross_due(len(self.calls))  # glue that only the output's region reaches
         for call in reversed(self.calls):
             value = outs.pop(edge_key(call.out_edge), None)
             back = None
@@ -126,17 +155,7 @@ class Traversal:
                         back, fresh = smaller, True
                 add(srcs, edge_key(call.source), back, fresh=fresh)
             del back
-            # the regions due now: every call taking their source and every region cut
-            # at it are done; crossed also where this call got nothing (its output
-            # unused, as a feature computed and dropped) and the vectors waiting there
-            # came from the source's other consumers
-            for key in self._crossings.get(call.index, ()):
-                if key in srcs:
-                    pending = srcs.pop(key)
-                    if visit is not None:
-                        consumer = self.calls[self._sources[key].last_consumer]
-                        visit(f"the input of {_display(consumer.name)}", pending)
-                    push(key, pending, fresh=waiting.is_fresh(pending))
+            cross_due(call.index)
         if srcs:  # vectors never crossed on: a wrong answer, refused
             raise RuntimeError(
                 "ggnchunk's sweep left vectors at glue it never crossed (a bug in the "

@@ -67,6 +67,37 @@ class Stream(nn.Module):
         return self.head(x).flatten(1)
 
 
+class RMSNorm(nn.Module):
+    """Llama-style: a custom module, so glue (no rule), with a learned scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class GlueNormStream(nn.Module):
+    """A pre-norm stream whose norms are glue: no layer reads the stream itself.
+
+    Each block's ``lin`` reads ``norm(x)``, so the stream ``x`` starts no region; the
+    regions of the blocks' ``lin`` inputs all reach it. The tensor where they begin to
+    overlap becomes a source of its own (timm's ``LayerNorm``, Llama's ``RMSNorm``).
+    """
+
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm() for _ in range(depth))
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(depth))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        for norm, lin in zip(self.norms, self.lins, strict=True):
+            x = x + Counted.apply(torch.tanh(lin(norm(x))))
+        return self.head(x).flatten(1)
+
+
 class CutOnAnotherPath(nn.Module):
     """The cut node lies on another path to the region's layer outputs.
 
@@ -174,6 +205,11 @@ def _images(n, side=8, channels=3):
 MODELS = {
     # name: (model, inputs(n), classes or None for MSE on the output's shape)
     "stream": (Stream, lambda n: torch.randn(n, 2, D, dtype=torch.float64), 6),
+    "glue-norm-stream": (
+        GlueNormStream,
+        lambda n: torch.randn(n, 2, D, dtype=torch.float64),
+        6,
+    ),
     "cut-on-another-path": (CutOnAnotherPath, lambda n: torch.randn(n, D), 3),
     "chunked": (Chunked, lambda n: torch.randn(n, D), 3),
     "late-consumer": (LateConsumer, lambda n: torch.randn(n, D), 3),
@@ -251,11 +287,12 @@ def test_the_switch_gives_the_same_diagonal(name, monkeypatch):
     assert_diag_close(cut, walked, rtol=1e-12, label=name)
 
 
+@pytest.mark.parametrize("stream", [Stream, GlueNormStream])
 @pytest.mark.parametrize("depth", [2, 4, 6])
-def test_each_block_is_crossed_once_per_pass(depth, monkeypatch):
+def test_each_block_is_crossed_once_per_pass(depth, stream, monkeypatch):
     """The counted glue runs once per block and pass cut, ``depth(depth+1)/2`` walked."""
     torch.manual_seed(0)
-    model = Stream(depth).double().eval()
+    model = stream(depth).double().eval()
     x = torch.randn(4, 2, D, dtype=torch.float64)
     y = torch.randint(0, 6, (4,))
     for cut, crossings in ((True, depth), (False, depth * (depth + 1) // 2)):
