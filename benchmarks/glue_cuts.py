@@ -43,12 +43,25 @@ def _cases() -> list[tuple[str, int, dict, object]]:
         def forward(self, ids):
             return self.head(self.encoder(self.embed(ids)).mean(1))
 
-    def vit(layers: int, n: int):
+    class RMSNorm(nn.Module):
+        """Llama-style: a custom module (glue, no rule) with a learned scale."""
+
+        def __init__(self, width: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(width))
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def vit(layers: int, n: int, rms: bool = False):
         def build():
             model = VisionTransformer(
                 image_size=32, patch_size=4, num_layers=layers, num_heads=2,
                 hidden_dim=64, mlp_dim=128, num_classes=10,
             )  # fmt: skip
+            if rms:  # the stream read only through glue norms
+                for block in model.encoder.layers:
+                    block.ln_1, block.ln_2 = RMSNorm(64), RMSNorm(64)
             x = torch.randn(n, 3, 32, 32)
             return model, nn.CrossEntropyLoss(), x, torch.randint(0, 10, (n,))
 
@@ -80,6 +93,7 @@ def _cases() -> list[tuple[str, int, dict, object]]:
         ("torchvision ViT, 12 layers", 8, {}, vit(12, 8)),
         ("torchvision ViT, 8 layers", 8, budget, vit(8, 8)),
         ("torchvision ViT, 4 layers", 32, {}, vit(4, 32)),
+        ("torchvision ViT with RMSNorm modules, 8 layers", 8, {}, vit(8, 8, rms=True)),
         ("nn.TransformerEncoder, 6 layers, 32 tokens", 8, {}, encoder(6, 8)),
         ("torchvision ConvNeXt, 3 stages of 2 blocks", 16, {}, convnext(16)),
         (

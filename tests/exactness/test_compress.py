@@ -181,7 +181,7 @@ def test_per_sample_keeps_every_column(replaced):
 def test_the_gram_matrix_is_kept():
     """Each sample's Gram matrix, token by token, and columns on several tokens left."""
     torch.manual_seed(0)
-    v, n = 60, 2
+    v, n = 120, 2
     vectors = torch.zeros(v, n, T, WIDTH, dtype=torch.float64)
     tokens = torch.randint(0, T, (v,))
     vectors[torch.arange(v), :, tokens] = torch.randn(v, n, WIDTH, dtype=torch.float64)
