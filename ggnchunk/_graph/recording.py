@@ -355,11 +355,20 @@ class Recording(Sweeps, MemoryBound, Checks):
         """Where regions begin to overlap: nodes more regions reach than reach a parent.
 
         Only a node with one output and a backward of its own (not a leaf's), whose
-        tensor is no layer output or source already.
+        tensor is no layer output or source already, and is shaped as a layer's input
+        or output (the batch on axis 0, as the sweeps and the check that samples stay
+        independent read every source).
 
         Returns:
             ``{edge key: (node, elements per sample)}`` of the new sources.
         """
+        # the samples' own tensors: batch on axis 0, shaped as a layer's input or
+        # output (a table shared by the samples, T5's position bias ``[1, H, T, T]``,
+        # or CaiT's ``qkv`` with the batch on axis 1 summed or mixed the samples)
+        shapes = {
+            tuple(shape) for call in self.calls
+            for shape in (call.ctx.out_shape, call.ctx.x.shape)
+        }  # fmt: skip
         count: dict[int, int] = {}
         for source in self._sources.values():
             for node_id in {id(node) for _, node in source.steps}:
@@ -378,7 +387,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 ):  # fmt: skip
                     continue
                 shape = grad_shape(node, 0)
-                if shape is None:
+                if shape is None or tuple(shape) not in shapes:
                     continue
                 entries[key] = (node, -(-shape.numel() // self._batch))
         return entries

@@ -98,6 +98,36 @@ class GlueNormStream(nn.Module):
         return self.head(x).flatten(1)
 
 
+class SharedBias(nn.Module):
+    """T5-style: one position bias ``[1, H, T, T]`` from a table, added in every layer.
+
+    Every layer's region reaches the bias, which has no batch axis (the samples share
+    it): it must not become a source of its own (the samples' vectors would be summed
+    there before the table's per-sample products). A CaiT-style ``qkv`` with the batch
+    on axis 1 (``[3, N, H, T, d]``) is read in each layer too.
+    """
+
+    def __init__(self, layers: int = 3, heads: int = 2, length: int = 3):
+        super().__init__()
+        self.heads, self.length = heads, length
+        self.table = nn.Parameter(torch.randn(2 * length - 1, heads))
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(layers))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        where = torch.arange(t)
+        bias = self.table[where[None, :] - where[:, None] + t - 1]  # [T, T, H]
+        bias = bias.permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        for qkv in self.qkv:
+            parts = qkv(x).reshape(n, t, 3, self.heads, d // self.heads)
+            q, k, v = parts.permute(2, 0, 3, 1, 4)  # [3, N, H, T, d]
+            scores = q @ k.transpose(-1, -2) + bias
+            att = torch.softmax(scores, dim=-1) @ v
+            x = x + att.transpose(1, 2).reshape(n, t, d)
+        return self.head(x).flatten(1)
+
+
 class CutOnAnotherPath(nn.Module):
     """The cut node lies on another path to the region's layer outputs.
 
@@ -210,6 +240,7 @@ MODELS = {
         lambda n: torch.randn(n, 2, D, dtype=torch.float64),
         6,
     ),
+    "shared-bias": (SharedBias, lambda n: torch.randn(n, 3, D, dtype=torch.float64), 9),
     "cut-on-another-path": (CutOnAnotherPath, lambda n: torch.randn(n, D), 3),
     "chunked": (Chunked, lambda n: torch.randn(n, D), 3),
     "late-consumer": (LateConsumer, lambda n: torch.randn(n, D), 3),
