@@ -62,8 +62,11 @@ def compressed(vectors: Tensor) -> Tensor | None:
     where = live.int().argmax(dim=1)
     where = torch.where(counts == 1, where, positions)  # zero columns: dropped
     groups = [torch.nonzero(where == p).flatten() for p in range(positions)]
-    if sum(min(len(g), width) for g in groups) > WORTH * v:
+    total = sum(min(len(g), width) for g in groups)
+    if total > WORTH * v:
         return None
+    if not total:  # every column zero (a loss linear in the output): one zero column
+        return vectors.new_zeros(1, *vectors.shape[1:])
     return _blocks(vectors, groups)
 
 

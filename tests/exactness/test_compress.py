@@ -192,5 +192,7 @@ def test_the_gram_matrix_is_kept():
         a, b = vectors[:, i].reshape(v, -1), out[:, i].reshape(out.shape[0], -1)
         assert torch.allclose(b.T @ b, a.T @ a, rtol=1e-12, atol=1e-12)
     assert (out.ne(0).any(dim=(1, 3)).sum(dim=1) <= 1).all()  # one token per column
+    zero = compress.compressed(torch.zeros_like(vectors))  # nothing to carry: one zero
+    assert zero is not None and zero.shape[0] == 1 and not zero.any()
     vectors[0, :, (tokens[0] + 1) % T] = 1.0  # a column on two tokens
     assert compress.compressed(vectors) is None
