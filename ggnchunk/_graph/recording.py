@@ -76,7 +76,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         self.window_ends: dict[str, str] = {}  # where windowed columns became dense
         # sizes (elements per column and sample) windowed sweeps had at each call's
         # output and input, for the windowed memory bound; ("dense", i): a full map
-        self._seen: dict[tuple[str, int], int] = {}
+        self._seen: dict[tuple[str, Any], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
         self._glue_plans: dict[EdgeKey, Any] = {}  # glue regions' windowed plans
         self.passes_ahead = 1  # passes of the forward pass's columns, at this pass's size
@@ -367,7 +367,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         # or CaiT's ``qkv`` with the batch on axis 1 summed or mixed the samples)
         shapes = {
             tuple(shape) for call in self.calls
-            for shape in (call.ctx.out_shape, call.ctx.x.shape)
+            for shape in (call.ctx.out_shape, getattr(call.ctx.x, "shape", None))
+            if shape is not None
         }  # fmt: skip
         count: dict[int, int] = {}
         for source in self._sources.values():

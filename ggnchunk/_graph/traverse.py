@@ -41,7 +41,7 @@ class Traversal:
     _sources: dict[EdgeKey, _Source]
     _out_keys: dict[EdgeKey, int]
     _crossings: dict[int, list[EdgeKey]]
-    _seen: dict[tuple[str, int], int]
+    _seen: dict[tuple[str, Any], int]
     _by_values: bool
     _glue_plans: dict[EdgeKey, Any]
     _geometric: bool | None
