@@ -575,7 +575,7 @@ def blocked(edges: Sequence[GradientEdge]) -> Iterator[None]:
     """
 
     def zero(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        return tuple(None if g is None else torch.zeros_like(g) for g in grads)
+        return tuple(None if g is None else g.new_zeros(g.shape) for g in grads)
 
     nodes = {id(edge.node): edge.node for edge in edges}
     handles = [node.register_prehook(zero) for node in nodes.values()]
