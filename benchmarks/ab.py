@@ -67,6 +67,70 @@ def alternate(
     return result
 
 
+def compare(
+    module: Any, switch: str, names: tuple[str, str], built: tuple, chunking: dict,
+    repeats: int, **fields: Any,
+) -> dict:  # fmt: skip
+    """One row: ``diag_ggn`` with ``module.switch`` off (``names[0]``) and on, alternating.
+
+    Args:
+        module: The module holding the internal switch (left on afterwards).
+        switch: The switch's name.
+        names: The two paths' names, off first.
+        built: ``(model, loss_func, inputs, targets)``.
+        chunking: ``diag_ggn``'s chunking arguments.
+        repeats: Timed calls per path.
+        fields: Put into the row first (the problem's title, its batch).
+
+    Returns:
+        The row: the fields, the chunking, each path's :func:`alternate` record (without
+        the diagonal), the float32 gap between the paths and the speed-up.
+    """
+    import ggnchunk
+
+    model, loss_func, x, y = built
+
+    def setting(on: bool) -> Callable[[], None]:
+        return lambda: setattr(module, switch, on)
+
+    try:
+        result = alternate(
+            {names[0]: setting(False), names[1]: setting(True)},
+            lambda: ggnchunk.diag_ggn(
+                model, loss_func, x, y, return_report=True, **chunking
+            ),
+            repeats,
+        )
+    finally:
+        setattr(module, switch, True)
+    row = {
+        **fields, "chunking": chunking,
+        "max_relative_gap_float32": relative_gap(
+            result[names[0]]["diag"], result[names[1]]["diag"]
+        ),
+    }  # fmt: skip
+    for name in names:
+        result[name].pop("diag")
+        row[name] = result[name]
+    row["speedup"] = row[names[0]]["seconds"] / row[names[1]]["seconds"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def cells(row: dict, names: tuple[str, str]) -> str:
+    """A row's shared table cells: chunking, both times, speed-up, passes, peaks, gap."""
+    a, b = row[names[0]], row[names[1]]
+    peaks = "/".join(
+        "–" if p["peak_mib"] is None else f"{p['peak_mib']:.0f}" for p in (a, b)
+    )
+    chunking = ", ".join(f"{k}={v}" for k, v in row["chunking"].items()) or "one pass"
+    return (
+        f"{chunking} | {a['seconds']:.2f} s | {b['seconds']:.2f} s | {row['speedup']:.1f}× "
+        f"| {a['passes']} / {b['passes']} | {peaks} MiB "
+        f"| {row['max_relative_gap_float32']:.1e} |"
+    )
+
+
 def relative_gap(a: dict, b: dict) -> float:
     """The largest difference of two diagonals, relative to each parameter's largest."""
     return max(

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from benchmarks import ab
 
+NAMES = ("every column", "fewer columns")  # the switch off, then on
+
 CASES = [
     # (problem, title, chunking)
     (
@@ -36,47 +38,26 @@ CASES = [
 
 
 def _rows(repeats: int) -> list[dict]:
-    import json
-
     import torch
 
-    import ggnchunk
     from benchmarks import problems
     from ggnchunk._graph import sweep
-
-    def switch(on: bool):
-        def set_() -> None:
-            sweep.COMPRESS = on
-
-        return set_
 
     rows = []
     for name, title, chunking in CASES:
         torch.manual_seed(0)
-        model, loss_func, x, y = problems.build(name)
-        paths = {"every column": switch(False), "fewer columns": switch(True)}
-        try:
-            result = ab.alternate(
-                paths,
-                lambda m=model, f=loss_func, x=x, y=y, c=chunking: ggnchunk.diag_ggn(
-                    m, f, x, y, return_report=True, **c
-                ),
+        rows.append(
+            ab.compare(
+                sweep,
+                "COMPRESS",
+                NAMES,
+                problems.build(name),
+                chunking,
                 repeats,
+                problem=title,
+                name=name,
             )
-        finally:
-            sweep.COMPRESS = True
-        row = {
-            "problem": title, "name": name, "chunking": chunking,
-            "max_relative_gap_float32": ab.relative_gap(
-                result["every column"]["diag"], result["fewer columns"]["diag"]
-            ),
-        }  # fmt: skip
-        for path in paths:
-            result[path].pop("diag")
-            row[path] = result[path]
-        row["speedup"] = row["every column"]["seconds"] / row["fewer columns"]["seconds"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        )
     return rows
 
 
@@ -94,16 +75,7 @@ def _table(rows: list[dict], environment: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        a, b = r["every column"], r["fewer columns"]
-        peaks = "/".join(
-            "–" if p["peak_mib"] is None else f"{p['peak_mib']:.0f}" for p in (a, b)
-        )
-        chunking = ", ".join(f"{k}={v}" for k, v in r["chunking"].items()) or "one pass"
-        lines.append(
-            f"| {r['problem']} | {chunking} | {a['seconds']:.2f} s | {b['seconds']:.2f} s "
-            f"| {r['speedup']:.1f}× | {a['passes']} / {b['passes']} | {peaks} MiB "
-            f"| {r['max_relative_gap_float32']:.1e} |"
-        )
+        lines.append(f"| {r['problem']} | {ab.cells(r, NAMES)}")
     return "\n".join(lines) + "\n"
 
 

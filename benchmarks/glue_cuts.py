@@ -20,6 +20,8 @@ from pathlib import Path
 
 from benchmarks import ab
 
+NAMES = ("walked", "cut")  # the switch off, then on
+
 
 def _cases() -> list[tuple[str, int, dict, object]]:
     """``(title, N, diag_ggn's chunking, build)``; ``build()`` gives the problem."""
@@ -56,9 +58,14 @@ def _cases() -> list[tuple[str, int, dict, object]]:
     def vit(layers: int, n: int, rms: bool = False):
         def build():
             model = VisionTransformer(
-                image_size=32, patch_size=4, num_layers=layers, num_heads=2,
-                hidden_dim=64, mlp_dim=128, num_classes=10,
-            )  # fmt: skip
+                image_size=32,
+                patch_size=4,
+                num_layers=layers,
+                num_heads=2,
+                hidden_dim=64,
+                mlp_dim=128,
+                num_classes=10,
+            )
             if rms:  # the stream read only through glue norms
                 for block in model.encoder.layers:
                     block.ln_1, block.ln_2 = RMSNorm(64), RMSNorm(64)
@@ -112,47 +119,27 @@ def _cases() -> list[tuple[str, int, dict, object]]:
 
 
 def _rows(repeats: int) -> list[dict]:
-    import json
-
     import torch
 
-    import ggnchunk
     from ggnchunk._graph import recording
-
-    def switch(on: bool):
-        def set_() -> None:
-            recording.CUT_AT_SOURCES = on
-
-        return set_
 
     rows = []
     for title, n, chunking, build in _cases():
         torch.manual_seed(0)
-        model, loss_func, x, y = build()
-        model.eval()
-        paths = {"walked": switch(False), "cut": switch(True)}
-        try:
-            result = ab.alternate(
-                paths,
-                lambda m=model, f=loss_func, x=x, y=y, c=chunking: ggnchunk.diag_ggn(
-                    m, f, x, y, return_report=True, **c
-                ),
+        problem = build()
+        problem[0].eval()
+        rows.append(
+            ab.compare(
+                recording,
+                "CUT_AT_SOURCES",
+                NAMES,
+                problem,
+                chunking,
                 repeats,
+                problem=title,
+                batch=n,
             )
-        finally:
-            recording.CUT_AT_SOURCES = True
-        row = {
-            "problem": title, "batch": n, "chunking": chunking,
-            "max_relative_gap_float32": ab.relative_gap(
-                result["walked"]["diag"], result["cut"]["diag"]
-            ),
-        }  # fmt: skip
-        for path in paths:
-            result[path].pop("diag")
-            row[path] = result[path]
-        row["speedup"] = row["walked"]["seconds"] / row["cut"]["seconds"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        )
     return rows
 
 
@@ -172,16 +159,7 @@ def _table(rows: list[dict], environment: dict) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        a, b = r["walked"], r["cut"]
-        peaks = "/".join(
-            "–" if p["peak_mib"] is None else f"{p['peak_mib']:.0f}" for p in (a, b)
-        )
-        chunking = ", ".join(f"{k}={v}" for k, v in r["chunking"].items()) or "one pass"
-        lines.append(
-            f"| {r['problem']} | {r['batch']} | {chunking} | {a['seconds']:.2f} s "
-            f"| {b['seconds']:.2f} s | {r['speedup']:.1f}× | {a['passes']} / "
-            f"{b['passes']} | {peaks} MiB | {r['max_relative_gap_float32']:.1e} |"
-        )
+        lines.append(f"| {r['problem']} | {r['batch']} | {ab.cells(r, NAMES)}")
     return "\n".join(lines) + "\n"
 
 
