@@ -338,8 +338,9 @@ class Recording(Sweeps, MemoryBound, Checks):
         begin to overlap becomes a source of its own, read by those regions only, and
         the regions are walked again (a few rounds at most).
         """
+        pending = list(self._sources.values())
         for round_ in range(SHARED_ROUNDS + 1):
-            for source in self._sources.values():
+            for source in pending:
                 self._walk(source)
             if not CUT_AT_SOURCES or round_ == SHARED_ROUNDS:
                 break
@@ -348,6 +349,14 @@ class Recording(Sweeps, MemoryBound, Checks):
                 break
             for key, (node, numel) in entries.items():
                 self._add_source(key, GradientEdge(node, 0), numel, SHARED)
+            # walked again: the new sources, and the regions that reach one of them
+            # (the others' walks cannot change)
+            new_nodes = {id(node) for node, _ in entries.values()}
+            pending = [
+                source for source in self._sources.values()
+                if source.key in entries
+                or any(id(node) in new_nodes for _, node in source.steps)
+            ]  # fmt: skip
         for source in self._sources.values():
             source.steps = []  # the walks' record, no longer needed
 
@@ -405,6 +414,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         # every reader of a parameter (:mod:`.readers`), None for any other node
         readers: dict[int, list[Reader | None]] = {}
         stack, seen = [node], set()
+        source.workspace = 0  # a region walked again (after an overlap cut) starts over
         steps: list[tuple[int, Node]] = []  # (parent's id, node) for every step walked
         cuts: list[EdgeKey] = []
         inner = 0
