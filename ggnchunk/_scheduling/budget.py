@@ -113,8 +113,6 @@ class BudgetPlanner:
         self.ceiling = total  # no chunk above this size (a bound's, or one that overshot)
         self.one: int | None = None  # the probe's peak of one index (no bound known)
         self.overshot: int | None = None  # the size a chunk above the target was cut to
-        # the last bound's fixed bytes and the level it was counted from (:meth:`from_cost`)
-        self.fixed_bound, self.planned_level = 0.0, 0
         self._overshoot_warned = False
         self.first_level = max(0, executor.level())
 
@@ -165,9 +163,7 @@ class BudgetPlanner:
             MemoryBudgetError: With ``check``, where one index does not fit.
         """
         fixed_bound, per_index = cost() if callable(cost) else cost
-        self.fixed_bound = fixed_bound
         level = self.executor.settled_level()
-        self.planned_level = level
         fixed = level + fixed_bound
         if check and fixed + per_index > self.budget:
             raise MemoryBudgetError(

@@ -312,17 +312,9 @@ def _start_from_bound(
         ``(decision, next start, size, grow)``.
     """
     planner.from_cost(cost)
-    before = planner.planned_level
     records = planner.executor.run_range(0, 1) if planner.total > 1 else []
     start = records[-1].stop if records else 0
     decision = planner.from_cost(cost, check=False)
-    if records and not planner.backend.sees_reuse:
-        # what the first index left resident is mostly what the bound counts as fixed
-        # (the results' buffers, kept fields, made by the first pass): counted once, by
-        # the bound, not again in the level (up to the bound's fixed bytes; anything
-        # beyond stays counted). Peaks are still measured from the call's baseline
-        left = min(max(0, planner.planned_level - before), max(0, int(planner.fixed_bound)))
-        decision.fixed -= left
     size = planner.fit_size(decision)
     if any((r.peak_extra_bytes or 0) > planner.budget for r in records):
         # one index alone went above the budget, which the bound does not see: one
