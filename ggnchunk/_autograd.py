@@ -48,6 +48,7 @@ __all__ = [
     "node_name",
     "noting",
     "on_columns",
+    "will_run",
     "output_count",
     "plain_grad",
     "quiet_autograd",
@@ -153,6 +154,30 @@ def output_count(node: Node) -> int:
         The count.
     """
     return len(getattr(node, "_input_metadata", ()))
+
+
+def will_run(node: Node, position: int) -> bool:
+    """Whether the running backward pass uses the gradient at input ``position`` of a node.
+
+    A custom function's ``needs_input_grad`` is fixed at its forward; the gradients a
+    pass asks for are not (the sweeps cross a folded convolution for its input's
+    vectors, not its weight's). Only inside a node's backward; a leaf's gradient under
+    ``torch.autograd.grad`` cannot be asked about, and counts as needed.
+
+    Args:
+        node: The node whose backward is running.
+        position: One of its inputs (``next_functions``).
+
+    Returns:
+        ``False`` only where the pass will not use that gradient.
+    """
+    nxt = node.next_functions[position][0]
+    if nxt is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(nxt))
+    except (RuntimeError, AttributeError):
+        return True
 
 
 def saved_value(node: Node, name: str) -> object:

@@ -50,6 +50,7 @@ a tensor subclass, an input that needs no grad) are left as they are.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -58,11 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ggnchunk._autograd import is_batched, on_columns
+from ggnchunk._autograd import is_batched, on_columns, will_run
 
 __all__ = [
     "FOLDERS",
     "fold_glue_call",
+    "folded_conv",
     "glue_kernel_workspace",
     "pad_transposed",
     "scatter_to_argmax",
@@ -112,7 +114,14 @@ class _FoldedTensors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        spec, saved, needs = ctx.spec, ctx.saved_tensors, ctx.needs_input_grad[1:]
+        spec, saved = ctx.spec, ctx.saved_tensors
+        # what this pass asks for (a weight's products only where they are wanted)
+        # (the node's inputs are the call's tensors that are not None, in order)
+        positions = itertools.accumulate(shape is not None for shape in ctx.shapes)
+        needs = tuple(
+            need and will_run(ctx, position - 1)
+            for position, need in zip(positions, ctx.needs_input_grad[1:], strict=True)
+        )
         results = on_columns([grad], lambda g: spec.transposed(saved, ctx.shapes, g, needs))
         return (None, *results)
 
@@ -1057,6 +1066,23 @@ def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
         return spec
 
     return fold
+
+
+def folded_conv(node: Any) -> tuple[Callable[[], Tensor | None], dict[str, Any]] | None:
+    """A folded convolution's input (made when asked) and arguments, if ``node`` is one.
+
+    Args:
+        node: An autograd node.
+
+    Returns:
+        ``(input, {"stride", "padding", "dilation", "groups"})``, or ``None`` where
+        ``node`` is no folded convolution (:class:`_Conv`). The input is ``None`` where
+        the weight needs no products (not saved).
+    """
+    spec = getattr(node, "spec", None)
+    if not isinstance(spec, _Conv):
+        return None
+    return (lambda: node.saved_tensors[0]), spec.args
 
 
 def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:

@@ -19,6 +19,14 @@ the gradients at their outputs in one pass, for all samples at once:
   over its rows of the outer products of the rows' gradients and the rows.
 - :class:`~ggnchunk._autograd.Gather`: an embedding lookup: its rows' gradients added
   into the table per sample.
+- :class:`ConvWeight`: the weight of a convolution in the glue (``F.conv2d(x, w)``, a
+  layer whose weight is computed in ``forward``): each sample's weight gradient, all
+  samples and columns in one grouped ``convolution_backward`` (the samples as groups).
+  Where the weight is computed from parameters alone (timm's ``StdConv2d`` weight
+  standardization, weight and spectral norm), the products are carried back to those
+  parameters through the recorded computation, batched over columns and samples:
+  every sample reads the same weight, so the map from the weight to the parameters is
+  the same for all of them.
 
 Views that keep the elements' order (``gamma.reshape(1, -1, 1, 1)``) and a transpose of
 a matrix (``W.T``) between the parameter and its reader are followed.
@@ -48,26 +56,31 @@ import torch
 from torch import Tensor
 
 from ggnchunk._autograd import (
+    EdgeKey,
     Gather,
     GradientEdge,
     Node,
     accumulated_variable,
     batched_grad,
     blocked,
+    edge_key,
     edge_numel,
     gather_of,
     grad_shape,
     output_count,
     saved_value,
 )
+from ggnchunk._glue_kernels import folded_conv
 
 if TYPE_CHECKING:
     from ggnchunk._graph.parts import _Source
 
 __all__ = [
     "Broadcast",
+    "ConvWeight",
     "Product",
     "Reader",
+    "computed_weight",
     "param_behind",
     "read_by",
     "reader_groups",
@@ -194,7 +207,109 @@ class Product:
         return result.to(self.dtype)
 
 
-Reader = Union[Broadcast, Product, Gather]  # noqa: UP007 (a runtime alias)
+@dataclass(frozen=True)
+class ConvWeight:
+    """A convolution's weight in the glue: a parameter, or computed from parameters."""
+
+    edge: GradientEdge  # the convolution's output ``[B, Cout, *S']``
+    x: Callable[[], Tensor | None]  # its input ``[B, Cin, *S]`` (saved by the node)
+    weight: torch.Size  # ``[Cout, Cin / G, *K]``
+    args: tuple[list[int], list[int], list[int], int]  # stride, padding, dilation, G
+    param: torch.Size
+    dtype: torch.dtype
+    # the computed weight's parameters, carried back to together (``None``: the weight
+    # is the parameter, maybe through views)
+    through: _Carried | None = None
+    variable: Tensor | None = None  # the parameter (with ``through``)
+
+    def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
+        """Whether the samples group whole rows of the batch axis at this stride."""
+        return len(out) >= 3 and stride % math.prod(out[1:]) == 0
+
+    def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
+        """Each sample's gradient of the weight, from the output's gradients.
+
+        One weight gradient of a convolution with the samples as groups (each group's
+        output channels the columns' ``[V, Cout]``) sums each sample's rows.
+
+        Args:
+            grads: ``[V, B, Cout, *S']``, the gradients at the convolution's output.
+            samples: ``N``.
+            stride: The samples' stride in the flattened output (whole rows).
+
+        Returns:
+            ``[V, N, *weight]``.
+        """
+        v, out = grads.shape[0], grads.shape[1:]
+        x = self.x()
+        if x is None:
+            raise RuntimeError("a convolution's input was not saved for its weight")
+        stride_, padding, dilation, groups = self.args
+        c, spatial, dims = out[1], out[2:], len(out) - 2
+        per_row = stride // math.prod(out[1:])
+        blocks = out[0] // (samples * per_row)
+        cin = x.shape[1]
+        # input: [A·T, N·Cin, *S] (a sample's rows side by side in the channels)
+        rows = (
+            x.detach().to(grads.dtype).reshape(blocks, samples, per_row, cin, *x.shape[2:])
+        )
+        rows = rows.transpose(1, 2).reshape(blocks * per_row, samples * cin, *x.shape[2:])
+        # output: [A·T, N·G·V·(Cout/G), *S'] (per sample and group, the columns' channels)
+        order = grads.reshape(v, blocks, samples, per_row, groups, c // groups, *spatial)
+        order = order.permute(1, 3, 2, 4, 0, 5, *range(6, 6 + dims))
+        channels = samples * groups * v * (c // groups)
+        order = order.reshape(blocks * per_row, channels, *spatial)
+        dw = torch.ops.aten.convolution_backward(
+            order, rows, order.new_empty(1).expand(channels, *self.weight[1:]), None,
+            stride_, padding, dilation, False, [0] * dims, samples * groups,
+            [False, True, False],
+        )[1]  # fmt: skip
+        dw = dw.reshape(samples, groups, v, c // groups, *self.weight[1:])
+        dw = dw.permute(2, 0, 1, 3, *range(4, 4 + 1 + dims))
+        return dw.reshape(v, samples, *self.weight)
+
+    def read(self, grads: Tensor, samples: int, stride: int) -> Tensor:
+        """:meth:`per_sample`, carried back through a computed weight where there is one.
+
+        The parameters of one computed weight share its products and one backward pass
+        through its computation (the first of them makes both, the others take theirs).
+        """
+        if self.through is None or self.variable is None:  # the parameter, maybe viewed
+            products = self.per_sample(grads, samples, stride)
+            return products.reshape(-1, samples, *self.param).to(self.dtype)
+        return self.through.take(self, grads, samples, stride)
+
+
+class _Carried:
+    """A computed weight's products at its parameters, made once per gradient."""
+
+    def __init__(self, edge: GradientEdge, variables: list[Tensor]) -> None:
+        self.edge, self.variables = edge, variables
+        self.key: Tensor | None = None  # the output gradients they were made from
+        self.results: dict[int, Tensor] = {}
+
+    def take(self, reader: ConvWeight, grads: Tensor, samples: int, stride: int) -> Tensor:
+        if self.key is not grads:  # held, not its id: an id can be reused
+            v = grads.shape[0]
+            dw = reader.per_sample(grads, samples, stride).flatten(0, 1)
+            with torch.enable_grad():  # the recorded computation, not a new one
+                carried = batched_grad([self.edge], self.variables, [dw])
+            del dw
+            self.key = grads
+            self.results = {
+                id(variable): (
+                    grads.new_zeros(v * samples, *variable.shape) if value is None
+                    else value
+                ).reshape(v, samples, *variable.shape).to(variable.dtype)
+                for variable, value in zip(self.variables, carried, strict=True)
+            }  # fmt: skip
+        result = self.results.pop(id(reader.variable))
+        if not self.results:
+            self.key = None
+        return result
+
+
+Reader = Union[Broadcast, Product, ConvWeight, Gather]  # noqa: UP007 (a runtime alias)
 
 
 def _lookup_fits(gather: Gather, out: torch.Size, stride: int, samples: int) -> bool:
@@ -249,6 +364,8 @@ def per_sample(reader: Reader, grads: Tensor, samples: int, stride: int) -> Tens
     """
     if isinstance(reader, Gather):
         return lookup_per_sample(reader, grads, samples, stride)
+    if isinstance(reader, ConvWeight):
+        return reader.read(grads, samples, stride)
     return reader.per_sample(grads, samples, stride)
 
 
@@ -385,6 +502,106 @@ def _product(
     )  # fmt: skip
 
 
+def _conv_of(node: Node) -> tuple[Callable[[], Tensor | None], tuple, torch.Size] | None:
+    """A convolution's input, arguments and weight shape, where ``node`` is one.
+
+    ``ConvolutionBackward0`` (not transposed) or the glue's folded convolution.
+    """
+    folded = folded_conv(node)
+    if folded is not None:
+        x, args = folded
+        shapes = getattr(node, "shapes", None)
+        if not shapes or shapes[1] is None:
+            return None
+        geometry = (list(args["stride"]), list(args["padding"]), list(args["dilation"]))
+        return x, (*geometry, int(args["groups"])), torch.Size(shapes[1])
+    if node.name() != "ConvolutionBackward0" or saved_value(node, "transposed"):
+        return None
+    values = [saved_value(node, k) for k in ("stride", "padding", "dilation", "groups")]
+    weight = saved_value(node, "weight")
+    if None in values or not isinstance(weight, Tensor) or weight.dim() < 3:
+        return None
+    stride, padding, dilation, groups = values
+    if len(padding) != weight.dim() - 2:
+        return None
+    args = (list(stride), list(padding), list(dilation), int(groups))
+    return (lambda: saved_value(node, "input")), args, weight.shape
+
+
+def _conv_weight(
+    node: Node, position: int, variable: Tensor, shape: torch.Size,
+    through: _Carried | None = None, computed_from: Tensor | None = None,
+) -> ConvWeight | None:  # fmt: skip
+    if position != 1:
+        return None
+    conv = _conv_of(node)
+    if conv is None:
+        return None
+    x, args, weight = conv
+    if tuple(shape) != tuple(weight) and through is None:
+        return None
+    return ConvWeight(
+        GradientEdge(node, 0), x, weight, args, variable.shape, variable.dtype,
+        through, computed_from,
+    )  # fmt: skip
+
+
+def computed_weight(
+    node: Node, position: int, known: Callable[[Tensor], bool],
+    stops: Callable[[EdgeKey], bool], most: int = 64,
+) -> list[tuple[Tensor, ConvWeight]] | None:  # fmt: skip
+    """Readers of parameters a convolution's weight is computed from alone, if any.
+
+    Args:
+        node: A node of the glue.
+        position: The input of ``node`` that is looked at.
+        known: Whether a leaf is a trainable parameter of the call.
+        stops: Whether an edge is a layer output or another region's source (the
+            computation must not reach either).
+        most: The most nodes the computation may have.
+
+    Returns:
+        ``(parameter, reader)`` for every parameter the computation reaches, or
+        ``None`` where ``node`` is no convolution read at its weight, or the weight is
+        not computed from trainable parameters alone (a leaf that is not one, a layer's
+        output, another region, or more than ``most`` nodes).
+    """
+    if position != 1 or _conv_of(node) is None:
+        return None
+    start, number = node.next_functions[position]
+    if start is None or accumulated_variable(start) is not None:
+        return None
+    seen: set[int] = set()
+    leaves: dict[int, Tensor] = {}
+    stack = [start]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if len(seen) > most:
+            return None
+        variable = accumulated_variable(current)
+        if variable is not None:
+            if not known(variable) or not variable.is_floating_point():
+                return None
+            leaves[id(variable)] = variable
+            continue
+        if any(stops(edge_key((current, k))) for k in range(output_count(current))):
+            return None
+        stack.extend(nxt for nxt, _ in current.next_functions if nxt is not None)
+    if not leaves:
+        return None
+    carried = _Carried(GradientEdge(start, number), list(leaves.values()))
+    found = []
+    for variable in leaves.values():
+        reader = _conv_weight(node, position, variable, variable.shape, carried, variable)
+        if reader is None:
+            return None
+        found.append((variable, reader))
+    return found
+
+
 def read_by(
     node: Node, position: int, variable: Tensor, shape: torch.Size, transposed: bool
 ) -> Reader | None:
@@ -406,6 +623,14 @@ def read_by(
     product = _product(node, position, variable, shape, transposed)
     if product is not None or transposed:
         return product
+    conv = _conv_weight(node, position, variable, shape)
+    if conv is not None:
+        return conv
+    if position == 2 and variable.dim() == 1 and _conv_of(node) is not None:
+        out = grad_shape(node, 0)  # the bias, broadcast over the output's channels
+        if out is not None and len(out) >= 3 and out[1] == variable.numel():
+            aligned = torch.Size([1, out[1], *([1] * (len(out) - 2))])
+            return Broadcast(GradientEdge(node, 0), aligned, variable.shape, variable.dtype)
     if shape == variable.shape:
         gather = gather_of(node)
         if gather is not None:

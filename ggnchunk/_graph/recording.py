@@ -31,7 +31,15 @@ from ggnchunk._folding import glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
 from ggnchunk._graph.parts import Call, _display, _Source
-from ggnchunk._graph.readers import Broadcast, Product, Reader, param_behind, read_by
+from ggnchunk._graph.readers import (
+    Broadcast,
+    ConvWeight,
+    Product,
+    Reader,
+    computed_weight,
+    param_behind,
+    read_by,
+)
 from ggnchunk._graph.sweep import Sweeps
 from ggnchunk._rules import LayerRule, RuleContext
 from ggnchunk._windows import FieldCache
@@ -446,6 +454,18 @@ class Recording(Sweeps, MemoryBound, Checks):
                     cuts.append(key)
                     continue
                 behind = param_behind(nxt)  # a parameter, maybe behind views or .T
+                computed = None if behind is not None else computed_weight(
+                    current, position, lambda v: id(v) in self._param_index,
+                    lambda k: k in self._out_keys or k in self._sources,
+                )  # fmt: skip
+                if computed is not None:
+                    # a convolution's weight computed from parameters alone (weight
+                    # standardization, weight norm): read at the convolution, not walked
+                    for variable, reader in computed:
+                        index = self._param_index[id(variable)]
+                        params.add(index)
+                        readers.setdefault(index, []).append(reader)
+                    continue
                 if behind is None or id(behind[0]) not in self._param_index:
                     stack.append(nxt)
                     steps.append((id(current), nxt))
@@ -461,10 +481,17 @@ class Recording(Sweeps, MemoryBound, Checks):
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = _only(readers, Gather)
-        source.readers = _only(readers, (Broadcast, Product, Gather))
+        source.readers = _only(readers, (Broadcast, Product, ConvWeight, Gather))
         sizes = [
             edge_numel(reader.edge) for found in source.readers.values() for reader in found
         ]
+        # a convolution's weight products per column and sample, and the same again
+        # carried back through a computed weight
+        sizes += [
+            2 * reader.weight.numel() * self._batch
+            for found in source.readers.values() for reader in found
+            if isinstance(reader, ConvWeight)
+        ]  # fmt: skip
         source.reader_numel = -(-max(sizes, default=0) // self._batch)
 
     @property

@@ -186,6 +186,83 @@ class ConvNeXtLike(nn.Module):
         return self.conv2(torch.tanh(g)).flatten(1)
 
 
+class StdConv2d(nn.Conv2d):
+    """timm's ``StdConv2d`` (BiT's ResNetV2), its ``forward`` as timm writes it."""
+
+    def __init__(self, *args, eps: float = 1e-6, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, x):
+        weight = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None,
+            training=True, momentum=0.0, eps=self.eps,
+        ).reshape_as(self.weight)  # fmt: skip
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)  # fmt: skip
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """timm's ``ScaledStdConv2d`` (NFNets): standardized, times a learned gain."""
+
+    def __init__(self, *args, eps: float = 1e-6, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.randn(self.out_channels, 1, 1, 1))
+        self.scale = self.weight[0].numel() ** -0.5
+        self.eps = eps
+
+    def forward(self, x):
+        weight = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None,
+            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)  # fmt: skip
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)  # fmt: skip
+
+
+class ComputedConvWeights(nn.Module):
+    """Convolutions whose weight is computed from parameters in ``forward``.
+
+    timm's weight standardization (grouped, strided), NFNets' scaled form with a gain,
+    torch's weight-norm parametrization (dilated, with a bias) and a functional
+    convolution of a plain parameter: each parameter's products are one grouped weight
+    gradient per convolution, carried back through the weight's computation.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.std = StdConv2d(4, 6, 3, padding=1, groups=2)
+        self.scaled = ScaledStdConv2d(6, 6, 3, stride=2, padding=1, bias=False)
+        self.normed = nn.utils.parametrizations.weight_norm(
+            nn.Conv2d(6, 4, 3, padding=2, dilation=2)
+        )
+        self.w = nn.Parameter(torch.randn(4, 2, 1, 1))
+        self.head = nn.Linear(4 * 9, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.std(x))
+        h = torch.sigmoid(self.scaled(h))
+        h = torch.tanh(self.normed(h))
+        h = F.conv2d(h, self.w, groups=2)
+        return self.head(h.flatten(1))
+
+
+class Frames(nn.Module):
+    """A video's frames folded into the batch (``[N·T, C, H, W]``): rows per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = StdConv2d(4, 3, 3, padding=1)
+        self.spectral = nn.utils.parametrizations.spectral_norm(nn.Conv1d(3, 2, 3))
+
+    def forward(self, x):
+        n, t = x.shape[:2]
+        h = torch.tanh(self.conv(x.flatten(0, 1)))  # [N·T, 3, H, W]
+        h = h.reshape(n, t, 3, -1).mean(3).transpose(1, 2)  # [N, 3, T]
+        return self.spectral(h).flatten(1)
+
+
 def _torchvision_vit() -> nn.Module:
     """The ViT of torchvision, small: a class token expanded and a position table added."""
     return VisionTransformer(
@@ -239,6 +316,10 @@ def _inputs(name: str, n: int) -> torch.Tensor:
         return torch.randn(n, 3, 8, 8, dtype=torch.float64)
     if name == "torchvision-convnext":
         return torch.randn(n, 3, 16, 16, dtype=torch.float64)
+    if name == "computed-conv-weights":
+        return torch.randn(n, 4, 6, 6, dtype=torch.float64)
+    if name == "frames":
+        return torch.randn(n, 5, 4, 3, 3, dtype=torch.float64)
     return torch.randn(n, T, D, dtype=torch.float64)
 
 
@@ -251,6 +332,8 @@ MODELS = {
     "reversed": (Reversed, "mse"),
     "functional-linear": (FunctionalLinear, "mse"),
     "convnext-norms": (ConvNeXtLike, "mse"),
+    "computed-conv-weights": (ComputedConvWeights, "ce"),
+    "frames": (lambda: Frames().eval(), "mse"),
     # models others wrote
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
