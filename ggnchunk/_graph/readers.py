@@ -502,11 +502,18 @@ def _product(
     )  # fmt: skip
 
 
+# the internal switch (tests, benchmarks): False leaves convolutions' weights and biases
+# in the glue to one pass per sample, as before they were read
+READ_CONV_WEIGHTS = True
+
+
 def _conv_of(node: Node) -> tuple[Callable[[], Tensor | None], tuple, torch.Size] | None:
     """A convolution's input, arguments and weight shape, where ``node`` is one.
 
     ``ConvolutionBackward0`` (not transposed) or the glue's folded convolution.
     """
+    if not READ_CONV_WEIGHTS:
+        return None
     folded = folded_conv(node)
     if folded is not None:
         x, args = folded

@@ -1,0 +1,176 @@
+"""Glue convolutions' weights read per sample off one pass, against a pass per sample.
+
+``python -m benchmarks.conv_readers [--out DIR] [--repeats K]``: in one process at 1
+thread, alone on the machine. A convolution whose weight is computed in ``forward``
+(timm's ``StdConv2d`` in BiT's ResNetV2, weight norm in audio vocoders) is glue: its
+parameters' products were taken one backward pass per sample. Now one grouped weight
+gradient per convolution gives every sample's, carried back through the weight's
+computation (:mod:`ggnchunk._graph.readers`; the internal switch
+``ggnchunk._graph.readers.READ_CONV_WEIGHTS``). Each ``diag_ggn`` call runs with and
+without, alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the
+best of ``--repeats`` (default 1).
+
+Writes ``conv_readers.json``, ``conv_readers.md`` and ``conv_readers.png`` into ``--out``
+(default ``benchmarks/results/conv-readers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import ab
+
+NAMES = ("one pass per sample", "read per sample")  # the switch off, then on
+
+
+def _std_conv(c_in: int, c_out: int, k: int, stride: int = 1):
+    import torch.nn.functional as F
+    from torch import nn
+
+    class StdConv2d(nn.Conv2d):  # timm's, as timm writes its forward
+        def forward(self, x):
+            weight = F.batch_norm(
+                self.weight.reshape(1, self.out_channels, -1), None, None,
+                training=True, momentum=0.0, eps=1e-6,
+            ).reshape_as(self.weight)  # fmt: skip
+            return F.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+    return StdConv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False)
+
+
+def _bit(n: int) -> tuple:
+    """A BiT-style pre-activation ResNet: StdConv2d, GroupNorm, 3 stages, 10 classes."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c_in: int, c_out: int):
+            super().__init__()
+            self.norm1, self.norm2 = nn.GroupNorm(8, c_in), nn.GroupNorm(8, c_out)
+            self.conv1 = _std_conv(c_in, c_out, 3, 2)
+            self.conv2 = _std_conv(c_out, c_out, 3)
+            self.short = _std_conv(c_in, c_out, 1, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.norm1(x))
+            return self.short(h) + self.conv2(torch.relu(self.norm2(self.conv1(h))))
+
+    model = nn.Sequential(
+        _std_conv(3, 16, 3), Block(16, 32), Block(32, 64), Block(64, 64),
+        nn.GroupNorm(8, 64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(64, 10),
+    ).eval()  # fmt: skip
+    return (
+        model,
+        nn.CrossEntropyLoss(),
+        torch.randn(n, 3, 32, 32),
+        torch.randint(0, 10, (n,)),
+    )
+
+
+def _vocoder(n: int) -> tuple:
+    """Weight-normed 1-d convolutions (HiFi-GAN-style), 256 steps, MSE."""
+    import torch
+    from torch import nn
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(
+        weight_norm(nn.Conv1d(1, 16, 7, padding=3)), nn.LeakyReLU(0.1),
+        weight_norm(nn.Conv1d(16, 16, 7, padding=3)), nn.LeakyReLU(0.1),
+        weight_norm(nn.Conv1d(16, 1, 7, padding=3)),
+    ).eval()  # fmt: skip
+    return model, nn.MSELoss(), torch.randn(n, 1, 256), torch.randn(n, 1, 256)
+
+
+CASES = [
+    # (name, title, builder, batch, chunking)
+    ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 8, {}),
+    ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 32, {}),
+    ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 32,
+     {"max_memory": "256MiB"}),
+    ("vocoder", "weight-normed Conv1d stack, 256 steps", _vocoder, 4, {}),
+    ("vocoder", "weight-normed Conv1d stack, 256 steps", _vocoder, 16, {}),
+]  # fmt: skip
+
+
+def _rows(repeats: int) -> list[dict]:
+    import torch
+
+    from ggnchunk._graph import readers
+
+    rows = []
+    for name, title, builder, n, chunking in CASES:
+        torch.manual_seed(0)
+        rows.append(
+            ab.compare(
+                readers,
+                "READ_CONV_WEIGHTS",
+                NAMES,
+                builder(n),
+                chunking,
+                repeats,
+                problem=title,
+                name=f"{name} N={n}",
+                batch=n,
+            )
+        )
+    return rows
+
+
+def _table(rows: list[dict], environment: dict) -> str:
+    lines = [
+        "# Convolutions' weights in the glue read per sample (issue 21)",
+        "",
+        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
+        f"{environment['commit']}, alone on the machine; float32; best of "
+        f"{environment['repeats']} after an untimed call, the two paths alternating in "
+        "one process. JSON beside this file.",
+        "",
+        "| problem | N | chunking | one pass per sample | read per sample | speed-up | "
+        "passes | peak (per sample / read) | float32 relative gap |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['problem']} | {r['batch']} | {ab.cells(r, NAMES)}")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r[NAMES[0]]["seconds"] for r in rows], 0.4,
+           label=NAMES[0])  # fmt: skip
+    ax.bar([x + 0.2 for x in xs], [r[NAMES[1]]["seconds"] for r in rows], 0.4,
+           label=NAMES[1])  # fmt: skip
+    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("seconds (1 thread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison and write the JSON, the table and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/conv-readers")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    environment = ab.environment(args.repeats)
+    rows = _rows(args.repeats)
+    record = {"environment": environment, "rows": rows}
+    table = _table(rows, environment)
+    ab.write(Path(args.out), "conv_readers", record, table, lambda p: _plot(rows, p))
+
+
+if __name__ == "__main__":
+    main()
