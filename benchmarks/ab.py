@@ -155,3 +155,71 @@ def write(
     (out / f"{name}.md").write_text(table)
     plot(out / f"{name}.png")
     print(table)
+
+
+def table(
+    title: str, note: str, environment: dict, rows: list[dict], names: tuple[str, str],
+    columns: tuple[str, str, str], batch: bool = False,
+) -> str:  # fmt: skip
+    """The markdown table of an A/B run: a heading, the run's line, one row per problem.
+
+    Args:
+        title: The heading.
+        note: Sentences after the run's line (what the two paths are), or ``""``.
+        environment: :func:`environment`'s record.
+        rows: :func:`compare`'s rows.
+        names: The two paths' names, off first.
+        columns: The two paths' column headers and the peaks' ``"a / b"``.
+        batch: Whether a batch column (the rows' ``"batch"``) follows the problem.
+    """
+    lines = [
+        f"# {title}",
+        "",
+        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
+        f"{environment['commit']}, alone on the machine; float32; best of "
+        f"{environment['repeats']} after an untimed call, the two paths alternating in "
+        "one process. " + (f"{note} " if note else "") + "JSON beside this file.",
+        "",
+        f"| problem | {'N | ' if batch else ''}chunking | {columns[0]} | {columns[1]} | "
+        f"speed-up | passes | peak ({columns[2]}) | float32 relative gap |",
+        f"|---|{'---:|' if batch else ''}---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        size = f" {r['batch']} |" if batch else ""
+        lines.append(f"| {r['problem']} |{size} {cells(r, names)}")
+    return "\n".join(lines) + "\n"
+
+
+def bars(
+    rows: list[dict], names: tuple[str, str], legend: tuple[str, str], labels: list[str],
+    path: Path, size: tuple[float, float] = (8, 4), log: bool = False, fontsize=None,
+) -> None:  # fmt: skip
+    """A bar plot of an A/B run's seconds, the two paths side by side per row.
+
+    Args:
+        rows: :func:`compare`'s rows.
+        names: The two paths' names in the rows, off first.
+        legend: Their labels in the plot.
+        labels: One tick label per row.
+        path: Where the PNG goes.
+        size: The figure's size in inches.
+        log: A logarithmic time axis.
+        fontsize: The tick labels' size (matplotlib's default where ``None``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    xs = range(len(rows))
+    for shift, name, label in ((-0.2, names[0], legend[0]), (0.2, names[1], legend[1])):
+        ax.bar([x + shift for x in xs], [r[name]["seconds"] for r in rows], 0.4,
+               label=label)  # fmt: skip
+    ax.set_xticks(list(xs), labels, fontsize=fontsize)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("seconds (1 thread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -62,40 +62,15 @@ def _rows(repeats: int) -> list[dict]:
 
 
 def _table(rows: list[dict], environment: dict) -> str:
-    lines = [
-        "# Columns below a wide head replaced by fewer with the same Gram (issue 21)",
-        "",
-        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
-        f"{environment['commit']}, alone on the machine; float32; best of "
-        f"{environment['repeats']} after an untimed call, the two paths alternating in "
-        "one process. JSON beside this file.",
-        "",
-        "| problem | chunking | every column | fewer columns | speed-up | passes | peak "
-        "(every / fewer) | float32 relative gap |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['problem']} | {ab.cells(r, NAMES)}")
-    return "\n".join(lines) + "\n"
+    return ab.table(
+        "Columns below a wide head replaced by fewer with the same Gram (issue 21)", "",
+        environment, rows, NAMES, ("every column", "fewer columns", "every / fewer"),
+    )  # fmt: skip
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["every column"]["seconds"] for r in rows], 0.4,
-           label="every column")  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [r["fewer columns"]["seconds"] for r in rows], 0.4,
-           label="fewer columns, same Gram")  # fmt: skip
-    ax.set_xticks(list(xs), [r["name"] for r in rows])
-    ax.set_ylabel("seconds (1 thread)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ab.bars(rows, NAMES, ("every column", "fewer columns, same Gram"),
+            [r["name"] for r in rows], path)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -119,41 +119,15 @@ def _rows(repeats: int) -> list[dict]:
 
 
 def _table(rows: list[dict], environment: dict) -> str:
-    lines = [
-        "# Convolutions' weights in the glue read per sample (issue 21)",
-        "",
-        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
-        f"{environment['commit']}, alone on the machine; float32; best of "
-        f"{environment['repeats']} after an untimed call, the two paths alternating in "
-        "one process. JSON beside this file.",
-        "",
-        "| problem | N | chunking | one pass per sample | read per sample | speed-up | "
-        "passes | peak (per sample / read) | float32 relative gap |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['problem']} | {r['batch']} | {ab.cells(r, NAMES)}")
-    return "\n".join(lines) + "\n"
+    return ab.table(
+        "Convolutions' weights in the glue read per sample (issue 21)", "", environment,
+        rows, NAMES, (*NAMES, "per sample / read"), batch=True,
+    )  # fmt: skip
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r[NAMES[0]]["seconds"] for r in rows], 0.4,
-           label=NAMES[0])  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [r[NAMES[1]]["seconds"] for r in rows], 0.4,
-           label=NAMES[1])  # fmt: skip
     labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("seconds (1 thread)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,48 +144,23 @@ def _rows(repeats: int) -> list[dict]:
 
 
 def _table(rows: list[dict], environment: dict) -> str:
-    lines = [
-        "# Glue regions cut at other regions' sources (issue 21)",
-        "",
-        f"1 thread, {environment['machine']}, torch {environment['torch']}, commit "
-        f"{environment['commit']}, alone on the machine; float32; best of "
-        f"{environment['repeats']} after an untimed call, the two paths alternating in "
-        "one process. *walked*: each glue region walked to the layer outputs, through "
-        "the regions behind it (the internal switch off); *cut*: a region stops where "
-        "another region starts, whose vectors then cross it once. JSON beside this file.",
-        "",
-        "| problem | N | chunking | walked | cut | speed-up | passes | peak "
-        "(walked / cut) | float32 relative gap |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['problem']} | {r['batch']} | {ab.cells(r, NAMES)}")
-    return "\n".join(lines) + "\n"
+    return ab.table(
+        "Glue regions cut at other regions' sources (issue 21)",
+        "*walked*: each glue region walked to the layer outputs, through the regions "
+        "behind it (the internal switch off); *cut*: a region stops where another region "
+        "starts, whose vectors then cross it once.",
+        environment, rows, NAMES, ("walked", "cut", "walked / cut"), batch=True,
+    )  # fmt: skip
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(12, 4.5))
     labels = [
         "\n".join(r["problem"].split(", ")[:2])
         + f"\nN={r['batch']}{', budget' if 'max_memory' in r['chunking'] else ''}"
         for r in rows
     ]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["walked"]["seconds"] for r in rows], 0.4,
-           label="walked to the layers")  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [r["cut"]["seconds"] for r in rows], 0.4,
-           label="cut at the sources")  # fmt: skip
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("seconds (1 thread)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ab.bars(rows, NAMES, ("walked to the layers", "cut at the sources"), labels, path,
+            size=(12, 4.5), log=True, fontsize=7)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
