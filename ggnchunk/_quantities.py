@@ -46,7 +46,7 @@ from ggnchunk._autograd import (
 )
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._graph.readers import per_sample as read_per_sample
-from ggnchunk._graph.readers import reader_groups, reader_room, shared_edges
+from ggnchunk._graph.readers import reader_groups, reader_room, release, shared_edges
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
 
@@ -504,6 +504,7 @@ class _Products(Quantity):
                     i, (reader, stride) = found[k]
                     if value is not None:
                         add(i, None, read_per_sample(reader, value, n, stride))
+                release([found[k][1][0] for k in edges[g][1]])
                 del value
         # any other parameter: one pass per sample, the other samples' vectors zero
         # (a lookup's gradients added into rows: batched over columns)

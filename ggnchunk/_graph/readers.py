@@ -85,6 +85,7 @@ __all__ = [
     "read_by",
     "reader_groups",
     "reader_room",
+    "release",
     "sample_strides",
     "shared_edges",
 ]
@@ -307,6 +308,21 @@ class _Carried:
         if not self.results:
             self.key = None
         return result
+
+    def release(self) -> None:
+        """Drop what no reader took (a parameter read one sample at a time instead)."""
+        self.key, self.results = None, {}
+
+
+def release(readers: Sequence[Reader]) -> None:
+    """Drop what computed weights hold after their readers' products were read.
+
+    Args:
+        readers: Readers whose products were read (one output gradient's).
+    """
+    for reader in readers:
+        if isinstance(reader, ConvWeight) and reader.through is not None:
+            reader.through.release()
 
 
 Reader = Union[Broadcast, Product, ConvWeight, Gather]  # noqa: UP007 (a runtime alias)

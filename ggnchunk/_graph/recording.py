@@ -422,6 +422,9 @@ class Recording(Sweeps, MemoryBound, Checks):
         # every reader of a parameter (:mod:`.readers`), None for any other node
         readers: dict[int, list[Reader | None]] = {}
         stack, seen = [node], set()
+        # a convolution's weight computed from these alone (:func:`computed_weight`)
+        known = lambda v: id(v) in self._param_index  # noqa: E731
+        stops = lambda k: k in self._out_keys or k in self._sources  # noqa: E731
         source.workspace = 0  # a region walked again (after an overlap cut) starts over
         steps: list[tuple[int, Node]] = []  # (parent's id, node) for every step walked
         cuts: list[EdgeKey] = []
@@ -454,10 +457,11 @@ class Recording(Sweeps, MemoryBound, Checks):
                     cuts.append(key)
                     continue
                 behind = param_behind(nxt)  # a parameter, maybe behind views or .T
-                computed = None if behind is not None else computed_weight(
-                    current, position, lambda v: id(v) in self._param_index,
-                    lambda k: k in self._out_keys or k in self._sources,
-                )  # fmt: skip
+                computed = (
+                    None
+                    if behind is not None
+                    else computed_weight(current, position, known, stops)
+                )
                 if computed is not None:
                     # a convolution's weight computed from parameters alone (weight
                     # standardization, weight norm): read at the convolution, not walked
