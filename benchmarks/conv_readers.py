@@ -6,9 +6,12 @@ thread, alone on the machine. A convolution whose weight is computed in ``forwar
 parameters' products were taken one backward pass per sample. Now one grouped weight
 gradient per convolution gives every sample's, carried back through the weight's
 computation (:mod:`ggnchunk._graph.readers`; the internal switch
-``ggnchunk._graph.readers.READ_CONV_WEIGHTS``). Each ``diag_ggn`` call runs with and
-without, alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the
-best of ``--repeats`` (default 1).
+``ggnchunk._graph.readers.READ_CONV_WEIGHTS``). HiFi-GAN's generator upsamples with
+weight-normed transposed convolutions: those are read the same way, and their input's
+backward runs on all columns at once (torch's batching looped over the columns); its
+rows switch both (``ggnchunk._glue_kernels.TRANSPOSED_CONVS``). Each ``diag_ggn`` call
+runs with and without, alternating (:func:`benchmarks.ab.alternate`): one untimed call
+each, then the best of ``--repeats`` (default 1).
 
 Writes ``conv_readers.json``, ``conv_readers.md`` and ``conv_readers.png`` into ``--out``
 (default ``benchmarks/results/conv-readers``).
@@ -83,29 +86,89 @@ def _vocoder(n: int) -> tuple:
     return model, nn.MSELoss(), torch.randn(n, 1, 256), torch.randn(n, 1, 256)
 
 
+def _hifigan(n: int) -> tuple:
+    """HiFi-GAN's generator, small: weight-normed ``ConvTranspose1d`` upsampling ×4 ×4.
+
+    As HiFi-GAN writes it: a weight-normed ``Conv1d`` in (kernel 7), per stage a
+    weight-normed transposed convolution (kernel ``2u``, stride ``u``, padding ``u/2``)
+    and a residual block of two dilated weight-normed convolutions with leaky ReLUs,
+    a weight-normed ``Conv1d`` out and ``tanh``; 8 mel bins of 16 frames to 256 samples,
+    MSE per sample.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class ResBlock(nn.Module):
+        def __init__(self, channels: int):
+            super().__init__()
+            self.convs = nn.ModuleList(
+                weight_norm(nn.Conv1d(channels, channels, 3, dilation=d, padding=d))
+                for d in (1, 3)
+            )
+
+        def forward(self, x):
+            for conv in self.convs:
+                x = x + conv(F.leaky_relu(x, 0.1))
+            return x
+
+    class Generator(nn.Module):
+        def __init__(self, mels: int = 8, channels: int = 32, rates=(4, 4)):
+            super().__init__()
+            self.pre = weight_norm(nn.Conv1d(mels, channels, 7, padding=3))
+            self.ups, self.blocks = nn.ModuleList(), nn.ModuleList()
+            for i, u in enumerate(rates):
+                c_in, c_out = channels // 2**i, channels // 2 ** (i + 1)
+                self.ups.append(
+                    weight_norm(nn.ConvTranspose1d(c_in, c_out, 2 * u, u, padding=u // 2))
+                )
+                self.blocks.append(ResBlock(c_out))
+            self.post = weight_norm(nn.Conv1d(c_out, 1, 7, padding=3))
+
+        def forward(self, x):
+            x = self.pre(x)
+            for up, block in zip(self.ups, self.blocks, strict=True):
+                x = block(up(F.leaky_relu(x, 0.1)))
+            return torch.tanh(self.post(F.leaky_relu(x)))
+
+    model = Generator().eval()
+    x = torch.randn(n, 8, 16)
+    return model, nn.MSELoss(), x, torch.randn(n, 1, 256)
+
+
+# HiFi-GAN's rows compare the transposed convolutions' switch (their weights read and
+# their backward folded, or neither), the others the readers' switch
+TRANSPOSED = "transposed"
 CASES = [
-    # (name, title, builder, batch, chunking)
+    # (name, title, builder, batch, chunking[, switch])
     ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 8, {}),
     ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 32, {}),
     ("bit", "BiT-style ResNet (StdConv2d, GroupNorm), 32×32", _bit, 32,
      {"max_memory": "256MiB"}),
     ("vocoder", "weight-normed Conv1d stack, 256 steps", _vocoder, 4, {}),
     ("vocoder", "weight-normed Conv1d stack, 256 steps", _vocoder, 16, {}),
+    ("hifigan", "HiFi-GAN generator (weight-normed ConvTranspose1d), 256 samples",
+     _hifigan, 4, {}, TRANSPOSED),
+    ("hifigan", "HiFi-GAN generator (weight-normed ConvTranspose1d), 256 samples",
+     _hifigan, 16, {"max_memory": "128MiB"}, TRANSPOSED),
 ]  # fmt: skip
 
 
 def _rows(repeats: int) -> list[dict]:
     import torch
 
+    from ggnchunk import _glue_kernels
     from ggnchunk._graph import readers
 
     rows = []
-    for name, title, builder, n, chunking in CASES:
+    for name, title, builder, n, chunking, *switch in CASES:
         torch.manual_seed(0)
+        transposed = switch == [TRANSPOSED]
         rows.append(
             ab.compare(
-                readers,
-                "READ_CONV_WEIGHTS",
+                _glue_kernels if transposed else readers,
+                "TRANSPOSED_CONVS" if transposed else "READ_CONV_WEIGHTS",
                 NAMES,
                 builder(n),
                 chunking,

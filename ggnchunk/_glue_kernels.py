@@ -24,8 +24,9 @@ folded into the kernels' batch axis:
   channel, with the weight's and bias's products;
 - **rows of a table** (``table[index]``, relative-position tables): the columns added
   back at their rows (``index_add``);
-- **convolutions** whose weight is computed in ``forward`` or fixed (weight
-  standardization, weight and spectral norm, a blur kernel; :class:`_Conv`): the
+- **convolutions** and **transposed convolutions** whose weight is computed in
+  ``forward`` or fixed (weight standardization, weight and spectral norm, HiFi-GAN's
+  weight-normed upsampling, a blur kernel; :class:`_Conv`): the
   input's products as one ``convolution_backward`` on ``V * N`` samples, the weight's as
   one with ``V * Cout`` output channels (the samples summed, as autograd sums them);
 - **weight norm** (``torch._weight_norm``, weight-normed layers): its two products in
@@ -169,21 +170,25 @@ class _Several:
 
 
 class _Conv(_Several):
-    r"""``F.conv1d/2d/3d`` whose weight is computed in ``forward`` or fixed.
+    r"""``F.conv1d/2d/3d`` or ``F.conv_transpose1d/2d/3d`` whose weight is computed.
 
     Weight standardization (timm's ``StdConv2d``, NFNets), weight and spectral norm
-    (parametrized layers), a fixed blur kernel: layers without a rule, whose
-    ``convolution_backward`` torch's batching runs once per column. Here the columns
-    are folded into the batch for the input's products (:math:`V N` samples), and into
-    the output channels for the weight's (one weight gradient of :math:`V C_{out}`
-    channels, the samples summed as autograd sums them).
+    (parametrized layers; HiFi-GAN's weight-normed transposed upsampling), a fixed blur
+    kernel: layers without a rule, whose ``convolution_backward`` torch's batching runs
+    once per column. Here the columns are folded into the batch for the input's
+    products (:math:`V N` samples), and into the output channels for the weight's (one
+    weight gradient of :math:`V C_{out}` channels, the samples summed as autograd sums
+    them).
     """
 
-    def __init__(self, args: dict[str, Any], dims: int):
+    def __init__(self, args: dict[str, Any], dims: int, transposed: bool = False):
         super().__init__()
-        self.args, self.dims = args, dims
+        self.args, self.dims, self.is_transposed = args, dims, transposed
 
     def call(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.is_transposed:
+            conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+            return conv[self.dims - 1](x, weight, bias, **self.args)
         conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
         return conv(x, weight, bias, **self.args)
 
@@ -196,17 +201,26 @@ class _Conv(_Several):
         weight = tensors[1]
         return out.numel() + (weight.numel() if weight.requires_grad else 0)
 
-    def transposed(self, saved, shapes, grads, needs):
-        """Input ``[N, Cin, *S]``, weight ``[Cout, Cin / G, *K]`` and bias products.
+    def geometry(self) -> tuple[list[int], list[int], list[int], bool, list[int], int]:
+        """``convolution_backward``'s arguments from ``stride`` to ``groups``."""
+        args = self.args
+        return (
+            args["stride"], args["padding"], args["dilation"], self.is_transposed,
+            args.get("output_padding", [0] * self.dims), args["groups"],
+        )  # fmt: skip
 
-        Columns at the output ``[V, N, Cout, *S']``; see :meth:`_Several.transposed`.
+    def transposed(self, saved, shapes, grads, needs):
+        """Input ``[N, Cin, *S]``, weight and bias products.
+
+        The weight is ``[Cout, Cin / G, *K]`` (``[Cin, Cout / G, *K]`` for a transposed
+        convolution). Columns at the output ``[V, N, Cout, *S']``; see
+        :meth:`_Several.transposed`.
         """
         (x, weight), in_shape = saved, shapes[0]
         v, n, c = grads.shape[:3]
         out = grads.shape[3:]
-        args, g = self.args, self.args["groups"]
-        common = (args["stride"], args["padding"], args["dilation"], False,
-                  [0] * self.dims, g)  # fmt: skip
+        common = self.geometry()
+        g = common[-1]
         dx = dw = db = None
         w = weight.detach()
         if needs[0]:
@@ -219,12 +233,18 @@ class _Conv(_Several):
             # channels in the order [G, V, Cout/G]: each group's columns side by side
             order = grads.reshape(v, n, g, c // g, *out).transpose(0, 1).transpose(1, 2)
             order = order.reshape(n, g * v * (c // g), *out)
-            shape = (g * v * (c // g), *w.shape[1:])
+            if self.is_transposed:  # [Cin, V·Cout/G, *K]
+                shape = (w.shape[0], v * w.shape[1], *w.shape[2:])
+            else:  # [G·V·Cout/G, Cin/G, *K]
+                shape = (g * v * (c // g), *w.shape[1:])
             dw = torch.ops.aten.convolution_backward(
                 order, x.detach(), w.new_empty(1).expand(shape), None, *common,
                 [False, True, False],
             )[1]  # fmt: skip
-            dw = dw.reshape(g, v, c // g, *w.shape[1:]).transpose(0, 1)
+            if self.is_transposed:
+                dw = dw.reshape(w.shape[0], v, *w.shape[1:]).transpose(0, 1)
+            else:
+                dw = dw.reshape(g, v, c // g, *w.shape[1:]).transpose(0, 1)
             dw = dw.reshape(v, *w.shape)
         if needs[2]:
             db = grads.sum([1, *range(3, grads.dim())])
@@ -1039,12 +1059,21 @@ def _batch_norm(args: tuple, kwargs: dict) -> _BatchNormEval | None:
     return spec
 
 
-def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+# the internal switch (tests, benchmarks): False leaves transposed convolutions in the
+# glue to torch's loop per column, and their weights to one pass per sample, as before
+TRANSPOSED_CONVS = True
+
+
+def _conv(dims: int, transposed: bool = False) -> Callable[[tuple, dict], _Conv | None]:
+    if transposed:
+        names = ("input", "weight", "bias", "stride", "padding", "output_padding",
+                 "groups", "dilation")  # fmt: skip
+    else:
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
     def fold(args: tuple, kwargs: dict) -> _Conv | None:
         bound = _bind(names, args, kwargs)
-        if bound is None:
+        if bound is None or (transposed and not TRANSPOSED_CONVS):
             return None
         x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not (_norm_input(x, w, b) and _plain(w)) or x.dim() != dims + 2:
@@ -1061,28 +1090,34 @@ def _conv(dims: int) -> Callable[[tuple, dict], _Conv | None]:
             return None
         args = {"stride": list(stride), "padding": list(padding),
                 "dilation": list(dilation), "groups": groups}  # fmt: skip
-        spec = _Conv(args, dims)
+        if transposed:
+            output_padding = _ints(bound.get("output_padding", 0), dims)
+            if output_padding is None:
+                return None
+            args["output_padding"] = list(output_padding)
+        spec = _Conv(args, dims, transposed)
         spec.tensors = (x, w, b)
         return spec
 
     return fold
 
 
-def folded_conv(node: Any) -> tuple[Callable[[], Tensor | None], dict[str, Any]] | None:
-    """A folded convolution's input (made when asked) and arguments, if ``node`` is one.
+def folded_conv(node: Any) -> tuple[Callable[[], Tensor | None], tuple] | None:
+    """A folded convolution's input (made when asked) and geometry, if ``node`` is one.
 
     Args:
         node: An autograd node.
 
     Returns:
-        ``(input, {"stride", "padding", "dilation", "groups"})``, or ``None`` where
-        ``node`` is no folded convolution (:class:`_Conv`). The input is ``None`` where
-        the weight needs no products (not saved).
+        ``(input, (stride, padding, dilation, transposed, output_padding, groups))``
+        (``convolution_backward``'s arguments), or ``None`` where ``node`` is no folded
+        convolution (:class:`_Conv`). The input is ``None`` where the weight needs no
+        products (not saved).
     """
     spec = getattr(node, "spec", None)
     if not isinstance(spec, _Conv):
         return None
-    return (lambda: node.saved_tensors[0]), spec.args
+    return (lambda: node.saved_tensors[0]), spec.geometry()
 
 
 def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:
@@ -1286,6 +1321,9 @@ FOLDERS: dict[Any, Callable[[tuple, dict], Any]] = {
     F.conv1d: _conv(1),
     F.conv2d: _conv(2),
     F.conv3d: _conv(3),
+    F.conv_transpose1d: _conv(1, transposed=True),
+    F.conv_transpose2d: _conv(2, transposed=True),
+    F.conv_transpose3d: _conv(3, transposed=True),
     torch._weight_norm: _weight_norm,
     **{f: _by_scalar(f, False) for f in (torch.mul, Tensor.mul, Tensor.__mul__)},
     **{f: _by_scalar(f, True) for f in (torch.div, Tensor.div, Tensor.__truediv__)},

@@ -19,8 +19,9 @@ the gradients at their outputs in one pass, for all samples at once:
   over its rows of the outer products of the rows' gradients and the rows.
 - :class:`~ggnchunk._autograd.Gather`: an embedding lookup: its rows' gradients added
   into the table per sample.
-- :class:`ConvWeight`: the weight of a convolution in the glue (``F.conv2d(x, w)``, a
-  layer whose weight is computed in ``forward``): each sample's weight gradient, all
+- :class:`ConvWeight`: the weight of a convolution in the glue (``F.conv2d(x, w)``,
+  ``F.conv_transpose1d(x, w)``, a layer whose weight is computed in ``forward``): each
+  sample's weight gradient, all
   samples and columns in one grouped ``convolution_backward`` (the samples as groups).
   Where the weight is computed from parameters alone (timm's ``StdConv2d`` weight
   standardization, weight and spectral norm), the products are carried back to those
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 from torch import Tensor
 
+from ggnchunk import _glue_kernels
 from ggnchunk._autograd import (
     EdgeKey,
     Gather,
@@ -214,8 +216,9 @@ class ConvWeight:
 
     edge: GradientEdge  # the convolution's output ``[B, Cout, *S']``
     x: Callable[[], Tensor | None]  # its input ``[B, Cin, *S]`` (saved by the node)
-    weight: torch.Size  # ``[Cout, Cin / G, *K]``
-    args: tuple[list[int], list[int], list[int], int]  # stride, padding, dilation, G
+    weight: torch.Size  # ``[Cout, Cin / G, *K]`` (transposed: ``[Cin, Cout / G, *K]``)
+    # stride, padding, dilation, transposed, output padding, groups
+    args: tuple[list[int], list[int], list[int], bool, list[int], int]
     param: torch.Size
     dtype: torch.dtype
     # the computed weight's parameters, carried back to together (``None``: the weight
@@ -245,7 +248,8 @@ class ConvWeight:
         x = self.x()
         if x is None:
             raise RuntimeError("a convolution's input was not saved for its weight")
-        stride_, padding, dilation, groups = self.args
+        geometry = self.args
+        transposed, groups = geometry[3], geometry[5]
         c, spatial, dims = out[1], out[2:], len(out) - 2
         per_row = stride // math.prod(out[1:])
         blocks = out[0] // (samples * per_row)
@@ -260,13 +264,21 @@ class ConvWeight:
         order = order.permute(1, 3, 2, 4, 0, 5, *range(6, 6 + dims))
         channels = samples * groups * v * (c // groups)
         order = order.reshape(blocks * per_row, channels, *spatial)
+        if transposed:  # [N·Cin, V·Cout/G, *K]: the samples' groups, their columns
+            shape = (samples * cin, v * self.weight[1], *self.weight[2:])
+        else:  # [N·G·V·Cout/G, Cin/G, *K]
+            shape = (channels, *self.weight[1:])
         dw = torch.ops.aten.convolution_backward(
-            order, rows, order.new_empty(1).expand(channels, *self.weight[1:]), None,
-            stride_, padding, dilation, False, [0] * dims, samples * groups,
-            [False, True, False],
+            order, rows, order.new_empty(1).expand(shape), None, *geometry[:5],
+            samples * groups, [False, True, False],
         )[1]  # fmt: skip
-        dw = dw.reshape(samples, groups, v, c // groups, *self.weight[1:])
-        dw = dw.permute(2, 0, 1, 3, *range(4, 4 + 1 + dims))
+        if transposed:
+            dw = dw.reshape(samples, cin, v, *self.weight[1:]).permute(
+                2, 0, 1, *range(3, 3 + 1 + dims)
+            )
+        else:
+            dw = dw.reshape(samples, groups, v, c // groups, *self.weight[1:])
+            dw = dw.permute(2, 0, 1, 3, *range(4, 4 + 1 + dims))
         return dw.reshape(v, samples, *self.weight)
 
     def read(self, grads: Tensor, samples: int, stride: int) -> Tensor:
@@ -524,31 +536,35 @@ READ_CONV_WEIGHTS = True
 
 
 def _conv_of(node: Node) -> tuple[Callable[[], Tensor | None], tuple, torch.Size] | None:
-    """A convolution's input, arguments and weight shape, where ``node`` is one.
+    """A convolution's input, geometry and weight shape, where ``node`` is one.
 
-    ``ConvolutionBackward0`` (not transposed) or the glue's folded convolution.
+    ``ConvolutionBackward0`` (also transposed) or the glue's folded convolution. The
+    geometry is ``(stride, padding, dilation, transposed, output_padding, groups)``.
     """
     if not READ_CONV_WEIGHTS:
         return None
     folded = folded_conv(node)
     if folded is not None:
-        x, args = folded
+        x, geometry = folded
         shapes = getattr(node, "shapes", None)
         if not shapes or shapes[1] is None:
             return None
-        geometry = (list(args["stride"]), list(args["padding"]), list(args["dilation"]))
-        return x, (*geometry, int(args["groups"])), torch.Size(shapes[1])
-    if node.name() != "ConvolutionBackward0" or saved_value(node, "transposed"):
+        return x, geometry, torch.Size(shapes[1])
+    if node.name() != "ConvolutionBackward0":
         return None
-    values = [saved_value(node, k) for k in ("stride", "padding", "dilation", "groups")]
+    names = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
+    values = [saved_value(node, k) for k in names]
     weight = saved_value(node, "weight")
     if None in values or not isinstance(weight, Tensor) or weight.dim() < 3:
         return None
-    stride, padding, dilation, groups = values
+    stride, padding, dilation, transposed, output_padding, groups = values
+    if transposed and not _glue_kernels.TRANSPOSED_CONVS:
+        return None
     if len(padding) != weight.dim() - 2:
         return None
-    args = (list(stride), list(padding), list(dilation), int(groups))
-    return (lambda: saved_value(node, "input")), args, weight.shape
+    geometry = (list(stride), list(padding), list(dilation), bool(transposed),
+                list(output_padding), int(groups))  # fmt: skip
+    return (lambda: saved_value(node, "input")), geometry, weight.shape
 
 
 def _conv_weight(

@@ -702,8 +702,17 @@ CONVS = {
     "conv2d-depthwise-no-bias": ((2, 4, 5, 5), (4, 1, 3, 3), False, {"groups": 4}),
     "conv1d": ((2, 3, 9), (5, 3, 4), True, {"stride": 2}),
     "conv3d": ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), True, {"padding": (1, 0, 1)}),
+    # transposed (weight [Cin, Cout / G, *K]): HiFi-GAN's weight-normed upsampling
+    "conv-transpose1d": ((2, 3, 7), (3, 4, 8), True, {"stride": 4, "padding": 2}),
+    "conv-transpose2d-output-padding-groups": ((2, 4, 4, 3), (4, 3, 3, 3), True,
+        {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2}),
+    "conv-transpose2d-dilation-no-bias": ((2, 3, 5, 4), (3, 2, 3, 2), False,
+        {"stride": (1, 2), "padding": (2, 0), "dilation": 2, "output_padding": (0, 1)}),
+    "conv-transpose3d": ((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), True,
+        {"stride": 2, "padding": (1, 0, 1)}),
 }  # fmt: skip
 CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+TRANSPOSED_FUNCTIONS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 @pytest.mark.parametrize("needs", ["all", "weight-only", "input-only"])
@@ -711,13 +720,15 @@ CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 def test_folded_convolutions_match_autograd_at_input_weight_and_bias(name, needs):
     """Batched backward equals autograd's per column at the input, weight and bias."""
     shape, wshape, with_bias, options = CONVS[name]
-    conv = CONV_FUNCTIONS[len(shape) - 2]
+    transposed = name.startswith("conv-transpose")
+    conv = (TRANSPOSED_FUNCTIONS if transposed else CONV_FUNCTIONS)[len(shape) - 2]
     torch.manual_seed(0)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=needs != "weight-only")
     w = torch.randn(wshape, dtype=torch.float64, requires_grad=needs != "input-only")
     b = None
     if with_bias:
-        b = torch.randn(wshape[0], dtype=torch.float64, requires_grad=needs != "input-only")
+        channels = wshape[1] * options.get("groups", 1) if transposed else wshape[0]
+        b = torch.randn(channels, dtype=torch.float64, requires_grad=needs != "input-only")
     expected = conv(x, w, b, **options)
     with folded_glue():
         got = conv(x, w, b, **options)

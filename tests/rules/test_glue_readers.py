@@ -263,6 +263,35 @@ class Frames(nn.Module):
         return self.spectral(h).flatten(1)
 
 
+class TransposedConvWeights(nn.Module):
+    """Transposed convolutions whose weight is computed: HiFi-GAN's upsampling.
+
+    A weight-normed ``ConvTranspose1d`` stack as HiFi-GAN's generator writes it (kernel
+    ``2u``, stride ``u``, padding ``u / 2``, leaky ReLU, a weight-normed residual
+    convolution), then a grouped, dilated ``ConvTranspose2d`` with ``output_padding``
+    under spectral norm, and a functional transposed convolution of a plain parameter
+    (no bias).
+    """
+
+    def __init__(self):
+        super().__init__()
+        weight_norm = nn.utils.parametrizations.weight_norm
+        self.up1 = weight_norm(nn.ConvTranspose1d(4, 4, 4, 2, padding=1))
+        self.res = weight_norm(nn.Conv1d(4, 4, 3, dilation=2, padding=2))
+        self.up2 = nn.utils.parametrizations.spectral_norm(
+            nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=2,
+                               dilation=1)
+        )  # fmt: skip
+        self.w = nn.Parameter(torch.randn(4, 1, 2, 3) * 0.5)
+
+    def forward(self, x):
+        h = self.up1(F.leaky_relu(x, 0.1))  # [N, 4, 2L]
+        h = h + self.res(F.leaky_relu(h, 0.1))
+        h = torch.tanh(self.up2(h.unsqueeze(2)))  # [N, 4, 2, 4L]
+        h = F.conv_transpose2d(h, self.w, stride=(1, 2), dilation=(2, 1))
+        return h.flatten(1)
+
+
 def _torchvision_vit() -> nn.Module:
     """The ViT of torchvision, small: a class token expanded and a position table added."""
     return VisionTransformer(
@@ -320,6 +349,8 @@ def _inputs(name: str, n: int) -> torch.Tensor:
         return torch.randn(n, 4, 6, 6, dtype=torch.float64)
     if name == "frames":
         return torch.randn(n, 5, 4, 3, 3, dtype=torch.float64)
+    if name == "transposed-conv-weights":
+        return torch.randn(n, 4, 3, dtype=torch.float64)
     return torch.randn(n, T, D, dtype=torch.float64)
 
 
@@ -334,6 +365,7 @@ MODELS = {
     "convnext-norms": (ConvNeXtLike, "mse"),
     "computed-conv-weights": (ComputedConvWeights, "ce"),
     "frames": (lambda: Frames().eval(), "mse"),
+    "transposed-conv-weights": (lambda: TransposedConvWeights().eval(), "mse"),
     # models others wrote
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
