@@ -66,6 +66,7 @@ __all__ = [
     "FOLDERS",
     "fold_glue_call",
     "folded_conv",
+    "folded_rows",
     "glue_kernel_workspace",
     "pad_transposed",
     "scatter_to_argmax",
@@ -1118,6 +1119,22 @@ def folded_conv(node: Any) -> tuple[Callable[[], Tensor | None], tuple] | None:
     if not isinstance(spec, _Conv):
         return None
     return (lambda: node.saved_tensors[0]), spec.geometry()
+
+
+def folded_rows(node: Any) -> tuple[Tensor, int, tuple[int, ...]] | None:
+    """A folded ``table[index]``'s index, axis and table shape, if ``node`` is one.
+
+    Args:
+        node: An autograd node.
+
+    Returns:
+        ``(index, axis, the table's shape)``, or ``None`` where ``node`` is no folded
+        gather of rows (:class:`_Rows`).
+    """
+    spec = getattr(node, "spec", None)
+    if not isinstance(spec, _Rows):
+        return None
+    return spec.args["index"], spec.args["axis"], tuple(node.in_shape)
 
 
 def _weight_norm(args: tuple, kwargs: dict) -> _WeightNorm | None:

@@ -30,7 +30,11 @@ the gradients at their outputs in one pass, for all samples at once:
   the same for all of them.
 
 Views that keep the elements' order (``gamma.reshape(1, -1, 1, 1)``) and a transpose of
-a matrix (``W.T``) between the parameter and its reader are followed.
+a matrix (``W.T``) between the parameter and its reader are followed. So are parts of a
+parameter (slices, selections, splits: ``pos[:, :T]``, ``w.chunk(3)[k]``; :class:`Placed`):
+each element of a part is one element of the parameter, so the part's products are put
+at their places. A table's rows gathered in the glue (``table[position_ids]``, folded by
+:mod:`ggnchunk._glue_kernels`) are a lookup.
 
 Which positions of a reader's output belong to which sample cannot be read off shapes
 (a sequence-first ``[T, N, D]`` with ``T == N`` looks batch-first;
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -72,7 +76,7 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
-from ggnchunk._glue_kernels import folded_conv
+from ggnchunk._glue_kernels import folded_conv, folded_rows
 
 if TYPE_CHECKING:
     from ggnchunk._graph.parts import _Source
@@ -80,11 +84,14 @@ if TYPE_CHECKING:
 __all__ = [
     "Broadcast",
     "ConvWeight",
+    "Placed",
     "Product",
     "Reader",
     "computed_weight",
     "param_behind",
+    "part_behind",
     "read_by",
+    "read_part",
     "reader_groups",
     "reader_room",
     "release",
@@ -337,7 +344,40 @@ def release(readers: Sequence[Reader]) -> None:
             reader.through.release()
 
 
-Reader = Union[Broadcast, Product, ConvWeight, Gather]  # noqa: UP007 (a runtime alias)
+@dataclass(frozen=True)
+class Placed:
+    """A reader of a part of a parameter (slices, selections, splits, and views).
+
+    ``self.pos[:, :T]``, ``table[1 : T + 1]``, ``w.chunk(3)[k]``: the part's products
+    per sample are those of a reader of the part, put at the part's elements of the
+    parameter (zero elsewhere). A part is a map from distinct elements of the
+    parameter, so each of its elements has one place.
+    """
+
+    inner: Broadcast | Product  # reads the part (its ``param``: the part's shape)
+    index: Tensor  # the parameter's flat index of each element of the part
+    param: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def edge(self) -> GradientEdge:
+        """Where the part's reader takes its gradients."""
+        return self.inner.edge
+
+    def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
+        """Whether the part's reader reads per sample at this stride."""
+        return self.inner.fits(out, stride, samples)
+
+    def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
+        """``[V, N, *param]``: the part's products at their places, zero elsewhere."""
+        part = self.inner.per_sample(grads, samples, stride)
+        v = part.shape[0]
+        result = part.new_zeros(v, samples, self.param.numel())
+        result[:, :, self.index.to(part.device)] = part.reshape(v, samples, -1)
+        return result.reshape(v, samples, *self.param)
+
+
+Reader = Union[Broadcast, Product, ConvWeight, Gather, Placed]  # noqa: UP007 (an alias)
 
 
 def _lookup_fits(gather: Gather, out: torch.Size, stride: int, samples: int) -> bool:
@@ -441,6 +481,126 @@ def param_behind(node: Node) -> tuple[Tensor, torch.Size, bool] | None:
     return variable, shape, False
 
 
+# parts of a tensor: each element of the part is one distinct element of the whole
+_PARTS = frozenset({
+    "SliceBackward0", "SelectBackward0", "SplitBackward0", "SplitWithSizesBackward0",
+})  # fmt: skip
+
+
+def _signed(value: object) -> int | None:
+    """A saved integer (torch saves negative ones as unsigned 64-bit), or ``None``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _part_of(index: Tensor, node: Node, number: int) -> Tensor | None:
+    """``index`` as ``node`` takes its part at output ``number`` (or reshapes it)."""
+    name = node.name()
+    if name in _RESHAPES:
+        shape = grad_shape(node, 0)
+        return None if shape is None else index.reshape(shape)
+    dim = _signed(saved_value(node, "dim"))
+    if dim is None or not -index.dim() <= dim < index.dim():
+        return None
+    if name == "SliceBackward0":
+        start, end, step = (_signed(saved_value(node, k)) for k in ("start", "end", "step"))
+        if start is None or end is None or step is None or step < 1:
+            return None
+        taken = (slice(None),) * (dim % index.dim()) + (slice(start, end, step),)
+        return index[taken]
+    if name == "SelectBackward0":
+        at = _signed(saved_value(node, "index"))
+        return None if at is None else index.select(dim, at)
+    if name == "SplitBackward0":
+        size = _signed(saved_value(node, "split_size"))
+        return None if size is None or size < 1 else index.split(size, dim)[number]
+    sizes = saved_value(node, "split_sizes")  # SplitWithSizesBackward0
+    if not isinstance(sizes, (tuple, list)):
+        return None
+    return index.split([int(k) for k in sizes], dim)[number]
+
+
+def part_behind(
+    node: Node, number: int
+) -> tuple[Tensor, torch.Size, Tensor, bool] | None:  # fmt: skip
+    """The parameter that ``node`` (output ``number``) takes a part of, if it does.
+
+    A chain of slices, selections, splits and views (at least one part) from a leaf,
+    maybe read transposed (``w.chunk(3)[0].T`` in ``F.linear``).
+
+    Args:
+        node: A node of the autograd graph (an input of a reader).
+        number: Its output read.
+
+    Returns:
+        ``(leaf, the shape read, the leaf's flat index of each element of the part in
+        the part's shape, transposed)`` or ``None``.
+    """
+    if not READ_PARTS:
+        return None
+    shape = grad_shape(node, number)
+    transposed = node.name() == "TBackward0"
+    if transposed:
+        inputs = [nxt for nxt in node.next_functions if nxt[0] is not None]
+        if len(inputs) != 1:
+            return None
+        node, number = inputs[0]
+    chain: list[tuple[Node, int]] = []
+    current, out = node, number
+    while accumulated_variable(current) is None:
+        name = current.name()
+        if name not in _PARTS and name not in _RESHAPES:
+            return None
+        if name not in ("SplitBackward0", "SplitWithSizesBackward0") and out != 0:
+            return None
+        inputs = [nxt for nxt, _ in current.next_functions if nxt is not None]
+        if len(inputs) != 1 or len(chain) > 16:
+            return None
+        chain.append((current, out))
+        current, out = inputs[0], current.next_functions[0][1]
+    variable = accumulated_variable(current)
+    if not any(step.name() in _PARTS for step, _ in chain):
+        return None  # views alone: :func:`param_behind`'s
+    index: Tensor | None = torch.arange(variable.numel()).reshape(variable.shape)
+    for step, taken in reversed(chain):
+        index = _part_of(index, step, taken)
+        if index is None:
+            return None
+    read = index.t() if transposed and index.dim() == 2 else index
+    if shape is None or (transposed and index.dim() != 2) or read.shape != shape:
+        return None
+    return variable, shape, index, transposed
+
+
+def read_part(
+    node: Node, position: int, variable: Tensor, shape: torch.Size, index: Tensor,
+    transposed: bool,
+) -> Placed | None:  # fmt: skip
+    """The reader of a part of ``variable`` (:func:`part_behind`) that ``node`` is.
+
+    Args:
+        node: The node whose input ``position`` leads to the part.
+        position: Which of its inputs.
+        variable: The parameter.
+        shape: The shape the node reads the part in.
+        index: The parameter's flat index of each element of the part.
+        transposed: Whether the node reads the part as ``part.T``.
+
+    Returns:
+        A :class:`Placed` broadcast or matrix product, or ``None``.
+    """
+    if variable.is_complex() or not variable.is_floating_point() or node.name() in _NORMS:
+        return None
+    inner = _product(node, position, variable, shape, transposed)
+    if inner is None and not transposed:
+        inner = _broadcast(node, position, variable, shape)
+    if inner is None:
+        return None
+    inner = replace(inner, param=index.shape)
+    return Placed(inner, index.reshape(-1), variable.shape, variable.dtype)
+
+
 def _normalized(node: Node) -> Callable[[], Tensor]:
     """The normalized input ``x̂`` of a layer or group norm's node, made when asked."""
 
@@ -529,6 +689,10 @@ def _product(
         variable.dtype, transposed, float(alpha),
     )  # fmt: skip
 
+
+# the internal switch (tests, benchmarks): False leaves parts of parameters (slices,
+# selections, splits) and rows gathered in the glue to one pass per sample, as before
+READ_PARTS = True
 
 # the internal switch (tests, benchmarks): False leaves convolutions' weights and biases
 # in the glue to one pass per sample, as before they were read
@@ -672,9 +836,28 @@ def read_by(
             return Broadcast(GradientEdge(node, 0), aligned, variable.shape, variable.dtype)
     if shape == variable.shape:
         gather = gather_of(node)
+        if gather is None:
+            gather = _rows_of(node, position, variable)
         if gather is not None:
             return gather
     return _broadcast(node, position, variable, shape)
+
+
+def _rows_of(node: Node, position: int, variable: Tensor) -> Gather | None:
+    """A table's rows gathered in the glue (``table[position_ids]``) as a lookup.
+
+    The folded ``table[index]`` of a 2-d table along its first axis (transformers'
+    Whisper decoder reads its positions so) is an embedding lookup without a padding
+    row: the same gradient, rows added back at their indices.
+    """
+    rows = folded_rows(node) if READ_PARTS else None
+    if rows is None or position != 0 or variable.dim() != 2:
+        return None
+    index, axis, shape = rows
+    if axis != 0 or tuple(shape) != tuple(variable.shape) or index.dim() == 0:
+        return None
+    index = index.to(torch.int64) % shape[0]  # negative rows counted from the end
+    return Gather(GradientEdge(node, 0), index, shape[0], None)
 
 
 def _candidate_strides(out: torch.Size, samples: int) -> list[int]:

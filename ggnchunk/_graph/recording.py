@@ -34,11 +34,14 @@ from ggnchunk._graph.parts import Call, _display, _Source
 from ggnchunk._graph.readers import (
     Broadcast,
     ConvWeight,
+    Placed,
     Product,
     Reader,
     computed_weight,
     param_behind,
+    part_behind,
     read_by,
+    read_part,
 )
 from ggnchunk._graph.sweep import Sweeps
 from ggnchunk._rules import LayerRule, RuleContext
@@ -470,6 +473,16 @@ class Recording(Sweeps, MemoryBound, Checks):
                         params.add(index)
                         readers.setdefault(index, []).append(reader)
                     continue
+                if behind is None:  # a part of a parameter (``pos[:, :T]``), maybe
+                    part = part_behind(nxt, number)
+                    placed = None
+                    if part is not None and id(part[0]) in self._param_index:
+                        placed = read_part(current, position, *part)
+                    if placed is not None:  # read where the part is, not walked
+                        index = self._param_index[id(part[0])]
+                        params.add(index)
+                        readers.setdefault(index, []).append(placed)
+                        continue
                 if behind is None or id(behind[0]) not in self._param_index:
                     stack.append(nxt)
                     steps.append((id(current), nxt))
@@ -485,7 +498,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         source.inner = -(-inner // self._batch)
         source.params = sorted(params)
         source.gathers = _only(readers, Gather)
-        source.readers = _only(readers, (Broadcast, Product, ConvWeight, Gather))
+        source.readers = _only(readers, (Broadcast, Product, ConvWeight, Gather, Placed))
         sizes = [
             edge_numel(reader.edge) for found in source.readers.values() for reader in found
         ]

@@ -30,6 +30,7 @@ from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
 import ggnchunk
 import ggnchunk._graph.checks as checks
+import ggnchunk._graph.readers as readers
 import ggnchunk._quantities as quantities
 from ggnchunk._autograd import grad_shape
 from ggnchunk._quantities import _Products
@@ -292,6 +293,40 @@ class TransposedConvWeights(nn.Module):
         return h.flatten(1)
 
 
+class ParameterParts(nn.Module):
+    """Parts of parameters read in the glue: slices, a selection, splits.
+
+    A position table longer than the sequence, sliced to it (``pos[:, :T]``, as
+    Whisper's decoder), an offset slice of a table, a row selected from a table of gains,
+    a negative slice, and a packed projection and its bias split in three and read by
+    ``F.linear`` (``w.chunk(3)``: transposed parts of matrix products), attention
+    between them; and a table's rows gathered by position ids per sample (transformers'
+    Whisper decoder: ``weight[position_ids]``; here the first id is -1, the last row).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, T + 3, D))
+        self.table = nn.Parameter(torch.randn(T + 2, D))
+        self.gains = nn.Parameter(torch.randn(3, D))
+        self.tail = nn.Parameter(torch.randn(2 * D))
+        self.packed = nn.Parameter(torch.randn(3 * D, D) * 0.4)
+        self.packed_bias = nn.Parameter(torch.randn(3 * D))
+        self.rows = nn.Parameter(torch.randn(T + 1, D))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        t = x.shape[1]
+        ids = (torch.arange(t) - 1).expand(x.shape[0], t)
+        h = x + self.pos[:, :t] + self.table[1 : t + 1] + self.rows[ids]
+        h = h * self.gains[1] + self.tail[-D:]
+        wq, wk, wv = self.packed.chunk(3)
+        bq, bk, bv = self.packed_bias.split([D, D, D])
+        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+        scores = torch.softmax(q @ k.transpose(1, 2) / D**0.5, -1)
+        return self.head((scores @ v + h)[:, 0])
+
+
 def _torchvision_vit() -> nn.Module:
     """The ViT of torchvision, small: a class token expanded and a position table added."""
     return VisionTransformer(
@@ -366,6 +401,7 @@ MODELS = {
     "computed-conv-weights": (ComputedConvWeights, "ce"),
     "frames": (lambda: Frames().eval(), "mse"),
     "transposed-conv-weights": (lambda: TransposedConvWeights().eval(), "mse"),
+    "parameter-parts": (ParameterParts, "ce"),
     # models others wrote
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
@@ -521,3 +557,13 @@ def test_small_batches_take_one_pass_per_sample(n, read, monkeypatch, proofs):
     assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
     assert ("slow" in proofs) is not read
     assert (True in proofs) is read
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_the_parts_switch(read, monkeypatch, proofs):
+    """Parts and gathered rows read off one pass, or (switch off) one pass per sample."""
+    monkeypatch.setattr(readers, "READ_PARTS", read)
+    model, loss_func, x, y = _problem("parameter-parts", 3)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
+    assert ("slow" in proofs) is not read

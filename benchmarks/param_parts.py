@@ -1,0 +1,136 @@
+"""Parts of parameters read per sample off one pass, against a pass per sample.
+
+``python -m benchmarks.param_parts [--out DIR] [--repeats K]``: in one process at 1
+thread, alone on the machine. A parameter the glue reads through a slice, a selection
+or a split (OpenAI Whisper's text decoder adds ``positional_embedding[offset : offset +
+T]`` to its tokens; a packed projection read as ``w.chunk(3)[k]``), or a table's rows
+gathered by position ids in the glue (transformers' Whisper: ``weight[position_ids]``),
+took one backward pass per sample through its glue region. Now its products are read
+off one pass and put at the part's elements (:class:`ggnchunk._graph.readers.Placed`;
+the internal switch ``ggnchunk._graph.readers.READ_PARTS``). Each ``diag_ggn`` call runs
+with and without, alternating (:func:`benchmarks.ab.alternate`): one untimed call
+each, then the best of ``--repeats`` (default 1).
+
+Writes ``param_parts.json``, ``param_parts.md`` and ``param_parts.png`` into ``--out``
+(default ``benchmarks/results/param-parts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import ab
+
+NAMES = ("one pass per sample", "read per sample")  # the switch off, then on
+VOCABULARY, TOKENS, WIDTH = 100, 16, 64
+
+
+def _decoder(n: int, gathered: bool = False) -> tuple:
+    """A Whisper-style text decoder: positions sliced (or gathered), 2 blocks, tied head.
+
+    Token embedding, the positional table's rows for the tokens (OpenAI's
+    ``positional_embedding[offset : offset + T]``, or with ``gathered``
+    ``table[position_ids]`` as transformers writes it), two causal pre-norm
+    ``nn.TransformerEncoderLayer`` blocks, a final norm and the logits as the product
+    with the embedding table; per-token cross-entropy over 100 tokens.
+    """
+    import torch
+    from torch import nn
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.token_embedding = nn.Embedding(VOCABULARY, WIDTH)
+            self.positional_embedding = nn.Parameter(torch.randn(64, WIDTH) * 0.1)
+            layer = nn.TransformerEncoderLayer(
+                WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+            )
+            self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.ln = nn.LayerNorm(WIDTH)
+
+        def forward(self, ids):
+            t = ids.shape[1]
+            if gathered:
+                position_ids = torch.arange(t).expand(ids.shape[0], t)
+                positions = self.positional_embedding[position_ids]
+            else:
+                positions = self.positional_embedding[2 : 2 + t]  # an offset
+            x = self.token_embedding(ids) + positions
+            mask = nn.Transformer.generate_square_subsequent_mask(t)
+            x = self.ln(self.blocks(x, mask=mask, is_causal=True))
+            return (x @ self.token_embedding.weight.T).transpose(1, 2)  # [N, V, T]
+
+    ids = torch.randint(0, VOCABULARY, (n, TOKENS))
+    return (
+        Decoder().eval(),
+        nn.CrossEntropyLoss(),
+        ids,
+        torch.randint(0, VOCABULARY, (n, TOKENS)),
+    )
+
+
+CASES = [
+    # (name, title, builder, batch, chunking)
+    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 8, {"num_chunks": 8}),
+    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 32,
+     {"max_memory": "256MiB"}),
+    ("gathered", "Whisper-style decoder, positions gathered by id",
+     lambda n: _decoder(n, gathered=True), 32, {"max_memory": "256MiB"}),
+]  # fmt: skip
+
+
+def _rows(repeats: int) -> list[dict]:
+    import torch
+
+    from ggnchunk._graph import readers
+
+    rows = []
+    for name, title, builder, n, chunking in CASES:
+        torch.manual_seed(0)
+        rows.append(
+            ab.compare(
+                readers,
+                "READ_PARTS",
+                NAMES,
+                builder(n),
+                chunking,
+                repeats,
+                problem=title,
+                name=f"{name} N={n}",
+                batch=n,
+            )
+        )
+    return rows
+
+
+def _table(rows: list[dict], environment: dict) -> str:
+    return ab.table(
+        "Parts of parameters read per sample (issue 21)", "", environment,
+        rows, NAMES, (*NAMES, "per sample / read"), batch=True,
+    )  # fmt: skip
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
+    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison and write the JSON, the table and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/param-parts")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    environment = ab.environment(args.repeats)
+    rows = _rows(args.repeats)
+    record = {"environment": environment, "rows": rows}
+    table = _table(rows, environment)
+    ab.write(Path(args.out), "param_parts", record, table, lambda p: _plot(rows, p))
+
+
+if __name__ == "__main__":
+    main()
