@@ -606,6 +606,17 @@ class PerSampleDiagonal(_Products):
     def _square(self, index: int, products: Tensor) -> Tensor:
         return products.square().sum(0)
 
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        # a layer's parameters used nowhere else: squared per sample by the rule where
+        # it has a shortcut (no [V, N, *param] products)
+        if call.params and not any(i in recording.reused for i, _ in call.params):
+            values = call.rule.diag_per_sample(call.ctx, dense(grads))
+            if values is not None:
+                for i, pname in call.params:
+                    self._add(i, values[pname])
+                return
+        super().layer(recording, call, grads)
+
     def absorb(self, later: Quantity) -> None:
         self._parts.append(later.result)
 

@@ -81,6 +81,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._crossings: dict[int, list[EdgeKey]] = {}
         self._out_keys: dict[EdgeKey, int] = {}
         self.shared: set[int] = set()
+        self.reused: set[int] = set()  # parameters used in several places
         self.output_key: EdgeKey | None = None
         self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
         self._warned = False
@@ -238,6 +239,7 @@ class Recording(Sweeps, MemoryBound, Checks):
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
         self._stop_without_parameters()
+        self.reused = {i for i, count in uses.items() if count > 1}  # several places
         self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)

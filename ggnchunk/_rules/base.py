@@ -225,6 +225,23 @@ class LayerRule(ABC):
         """
         return {k: t.square().sum((0, 1)) for k, t in self.per_sample(ctx, grads).items()}
 
+    def diag_per_sample(self, ctx: RuleContext, grads: Tensor) -> dict[str, Tensor] | None:
+        """``sum_v`` of the squared per-sample products, where a shortcut has it.
+
+        Optional: ``None`` (the default) squares :meth:`per_sample`'s products. A
+        parameter's per-sample diagonal without its ``[V, N, *param]`` products (a
+        linear layer with one position per sample: ``sum_v (g ⊗ x)² = (sum_v g²) ⊗ x²``).
+
+        Args:
+            ctx: The call's context.
+            grads: ``[V, N, *out_shape[1:]]``.
+
+        Returns:
+            ``{param_name: [N, *param.shape]}`` for the layer's trainable parameters,
+            or ``None``.
+        """
+        return None
+
     sample_free_backprop = False
     """Whether :meth:`backprop` is the same linear map for every sample (no ``x``)."""
 

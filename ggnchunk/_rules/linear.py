@@ -51,6 +51,18 @@ class LinearRule(LayerRule):
             out["bias"] = a.sum(4)[:, :, 0]
         return out
 
+    def diag_per_sample(self, ctx, grads):
+        x = ctx.x
+        if x[0].numel() != x.shape[-1]:  # positions per sample: their products mix
+            return None
+        module, out = ctx.module, {}
+        squares = grads.reshape(grads.shape[0], x.shape[0], -1).square().sum(0)  # [N, O]
+        if trainable(module, "weight"):
+            out["weight"] = squares[:, :, None] * x.reshape(x.shape[0], 1, -1).square()
+        if trainable(module, "bias"):
+            out["bias"] = squares
+        return out
+
     sample_free_backprop = True
 
     def backprop(self, ctx, grads):

@@ -175,6 +175,35 @@ def test_per_sample_diagonals(case, kwargs):
         assert actual[name].shape == (n, *param.shape)
 
 
+@pytest.mark.parametrize("case", ["mlp-mse", "conv-tied-ce"])
+def test_per_sample_linear_layers_skip_their_products(case, monkeypatch):
+    """A linear layer on one position per sample: ``(sum_v g²) ⊗ x²``, no products.
+
+    Its ``[V, N, O, I]`` products are made only where the weight is used again (the
+    tied head: its products are added over the uses before squaring).
+    """
+    from ggnchunk._rules.linear import LinearRule
+
+    made: list[tuple] = []
+    products = LinearRule.per_sample
+
+    def watched(self, ctx, grads):
+        made.append(tuple(ctx.module.weight.shape))
+        return products(self, ctx, grads)
+
+    monkeypatch.setattr(LinearRule, "per_sample", watched)
+    torch.manual_seed(3)
+    if case == "mlp-mse":
+        model, loss, x = _model(), nn.MSELoss(), X
+        targets = torch.randn(x.shape[0], 4, dtype=torch.float64)
+    else:
+        model, loss = _TiedConv().double(), nn.CrossEntropyLoss(reduction="sum")
+        x = torch.randn(4, 2, 4, 4, dtype=torch.float64)
+        targets = torch.randint(0, 4, (4,))
+    ggnchunk.diag_ggn(model, loss, x, targets, per_sample=True)
+    assert made == ([] if case == "mlp-mse" else [(4, 3)])
+
+
 class _OneNumber(nn.Module):
     """One output number per sample, ``[N]`` (a regression or binary head squeezed)."""
 
