@@ -73,10 +73,10 @@ def _decoder(n: int, gathered: bool = False) -> tuple:
 CASES = [
     # (name, title, builder, batch, chunking)
     ("sliced", "Whisper-style decoder, positions sliced", _decoder, 8, {"num_chunks": 8}),
-    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 32,
+    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 16,
      {"max_memory": "256MiB"}),
     ("gathered", "Whisper-style decoder, positions gathered by id",
-     lambda n: _decoder(n, gathered=True), 32, {"max_memory": "256MiB"}),
+     lambda n: _decoder(n, gathered=True), 16, {"max_memory": "256MiB"}),
 ]  # fmt: skip
 
 
