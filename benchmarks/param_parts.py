@@ -5,7 +5,9 @@ thread, alone on the machine. A parameter the glue reads through a slice, a sele
 or a split (OpenAI Whisper's text decoder adds ``positional_embedding[offset : offset +
 T]`` to its tokens; a packed projection read as ``w.chunk(3)[k]``), or a table's rows
 gathered by position ids in the glue (transformers' Whisper: ``weight[position_ids]``),
-took one backward pass per sample through its glue region. Now its products are read
+or a packed projection split by ``nn.MultiheadAttention`` for cross-attention
+(``in_proj_weight.split([E, 2E])``), took one backward pass per sample through its
+glue region. Now its products are read
 off one pass and put at the part's elements (:class:`ggnchunk._graph.readers.Placed`;
 the internal switch ``ggnchunk._graph.readers.READ_PARTS``). Each ``diag_ggn`` call runs
 with and without, alternating (:func:`benchmarks.ab.alternate`): one untimed call
@@ -23,7 +25,7 @@ from pathlib import Path
 from benchmarks import ab
 
 NAMES = ("one pass per sample", "read per sample")  # the switch off, then on
-VOCABULARY, TOKENS, WIDTH = 100, 16, 64
+VOCABULARY, TOKENS, WIDTH = 20, 8, 64
 
 
 def _decoder(n: int, gathered: bool = False) -> tuple:
@@ -33,7 +35,7 @@ def _decoder(n: int, gathered: bool = False) -> tuple:
     ``positional_embedding[offset : offset + T]``, or with ``gathered``
     ``table[position_ids]`` as transformers writes it), two causal pre-norm
     ``nn.TransformerEncoderLayer`` blocks, a final norm and the logits as the product
-    with the embedding table; per-token cross-entropy over 100 tokens.
+    with the embedding table; per-token cross-entropy over 20 tokens.
     """
     import torch
     from torch import nn
@@ -70,13 +72,47 @@ def _decoder(n: int, gathered: bool = False) -> tuple:
     )
 
 
+def _captioner(n: int) -> tuple:
+    """``nn.TransformerDecoder`` attending to encoded features (cross-attention).
+
+    torch's ``nn.MultiheadAttention`` reads its packed input projection in parts where
+    the query is not the key (``in_proj_weight.split([E, 2E])``: the query's rows and
+    the keys' and values'); 16 feature vectors projected by a ``nn.Linear``, 8 tokens,
+    two pre-norm decoder layers, per-token cross-entropy over 20 tokens.
+    """
+    import torch
+    from torch import nn
+
+    class Captioner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCABULARY, WIDTH)
+            self.memory = nn.Linear(32, WIDTH)
+            layer = nn.TransformerDecoderLayer(
+                WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+            )
+            self.decoder = nn.TransformerDecoder(layer, 2)
+            self.head = nn.Linear(WIDTH, VOCABULARY)
+
+        def forward(self, ids, features):
+            mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+            h = self.decoder(
+                self.embed(ids), self.memory(features), tgt_mask=mask, tgt_is_causal=True
+            )
+            return self.head(h).transpose(1, 2)  # [N, V, T]
+
+    inputs = (torch.randint(0, VOCABULARY, (n, TOKENS)), torch.randn(n, 16, 32))
+    targets = torch.randint(0, VOCABULARY, (n, TOKENS))
+    return Captioner().eval(), nn.CrossEntropyLoss(), inputs, targets
+
+
 CASES = [
     # (name, title, builder, batch, chunking)
-    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 8, {"num_chunks": 8}),
-    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 16,
-     {"max_memory": "256MiB"}),
+    ("sliced", "Whisper-style decoder, positions sliced", _decoder, 8, {"num_chunks": 4}),
     ("gathered", "Whisper-style decoder, positions gathered by id",
-     lambda n: _decoder(n, gathered=True), 16, {"max_memory": "256MiB"}),
+     lambda n: _decoder(n, gathered=True), 32, {"num_chunks": 4}),
+    ("cross", "nn.TransformerDecoder, cross-attention", _captioner, 8, {"num_chunks": 4}),
+    ("cross", "nn.TransformerDecoder, cross-attention", _captioner, 32, {"num_chunks": 4}),
 ]  # fmt: skip
 
 

@@ -367,6 +367,25 @@ def _torch_encoder(batch_first: bool) -> Callable[[], nn.Module]:
     return Encoder
 
 
+class TorchDecoderLayer(nn.Module):
+    """Torch's ``nn.TransformerDecoderLayer``, its memory a projection of the input.
+
+    Its cross-attention reads the packed input projection in parts
+    (``in_proj_weight.split([E, 2E])``).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.memory = nn.Linear(D, D)
+        self.layer = nn.TransformerDecoderLayer(
+            D, 2, dim_feedforward=6, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x, torch.tanh(self.memory(x[:, :3])))).mean(1)
+
+
 def _inputs(name: str, n: int) -> torch.Tensor:
     if name == "lookups":
         ids = torch.randint(0, 7, (n, T))
@@ -406,6 +425,7 @@ MODELS = {
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
     "torch-encoder-layer": (_torch_encoder(True), "ce"),
+    "torch-decoder-layer": (TorchDecoderLayer, "ce"),
 }
 # whether every reader's samples are proven (for batches of two or more)
 PROVEN = {name: name != "reversed" for name in MODELS}
