@@ -593,6 +593,11 @@ class DiagonalGGN(_Products):
             acc.add_(value)
 
 
+# the internal switch (tests, benchmarks): False squares every layer's per-sample
+# products, as before the rules' shortcuts (:meth:`~ggnchunk.extend.Rule.diag_per_sample`)
+PER_SAMPLE_SHORTCUTS = True
+
+
 class PerSampleDiagonal(_Products):
     """Each sample's GGN diagonal, ``[N, *param.shape]`` per parameter."""
 
@@ -609,7 +614,10 @@ class PerSampleDiagonal(_Products):
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         # a layer's parameters used nowhere else: squared per sample by the rule where
         # it has a shortcut (no [V, N, *param] products)
-        if call.params and not any(i in recording.reused for i, _ in call.params):
+        if (
+            PER_SAMPLE_SHORTCUTS and call.params
+            and not any(i in recording.reused for i, _ in call.params)
+        ):  # fmt: skip
             values = call.rule.diag_per_sample(call.ctx, dense(grads))
             if values is not None:
                 for i, pname in call.params:

@@ -1,0 +1,112 @@
+"""Per-sample diagonals of linear layers by their shortcut, against squared products.
+
+``python -m benchmarks.per_sample [--out DIR] [--repeats K]``: in one process at 1
+thread, alone on the machine. ``per_sample=True`` made every layer's ``[V, N, *param]``
+products and squared them; a linear layer on one position per sample whose parameters
+are used nowhere else now gives each sample's diagonal as ``(sum_v g²) ⊗ x²``
+(:meth:`ggnchunk.extend.Rule.diag_per_sample`; the internal switch
+``ggnchunk._quantities.PER_SAMPLE_SHORTCUTS``). Wide classifier heads are where it
+shows: torchvision's AlexNet and VGG-11 (found by a sweep of torchvision's models) and
+a wide MLP. Each ``diag_ggn(..., per_sample=True)`` call runs with and without,
+alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the best of
+``--repeats`` (default 2).
+
+Writes ``per_sample.json``, ``per_sample.md`` and ``per_sample.png`` into ``--out``
+(default ``benchmarks/results/per-sample``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import ab
+
+NAMES = ("products squared", "shortcut")  # the switch off, then on
+
+
+def _mlp(n: int) -> tuple:
+    """``Linear(16384, 4096)``, ReLU, ``Linear(4096, 3)``; cross-entropy."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(16384, 4096), nn.ReLU(), nn.Linear(4096, 3))
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 16384), torch.randint(0, 3, (n,))
+
+
+def _torchvision(name: str, side: int):
+    def build(n: int) -> tuple:
+        """A torchvision classifier, ``weights=None``, 3 classes, eval."""
+        import torch
+        import torchvision
+        from torch import nn
+
+        model = getattr(torchvision.models, name)(weights=None, num_classes=3).eval()
+        x = torch.randn(n, 3, side, side)
+        return model, nn.CrossEntropyLoss(), x, torch.randint(0, 3, (n,))
+
+    return build
+
+
+CASES = [
+    # (name, title, builder, batch)
+    ("mlp", "MLP 16384-4096-3", _mlp, 2),
+    ("alexnet", "torchvision AlexNet, 64×64, 3 classes", _torchvision("alexnet", 64), 2),
+    ("vgg11", "torchvision VGG-11, 32×32, 3 classes", _torchvision("vgg11", 32), 2),
+]
+
+
+def _rows(repeats: int) -> list[dict]:
+    import torch
+
+    from ggnchunk import _quantities
+
+    rows = []
+    for name, title, builder, n in CASES:
+        torch.manual_seed(0)
+        rows.append(
+            ab.compare(
+                _quantities,
+                "PER_SAMPLE_SHORTCUTS",
+                NAMES,
+                builder(n),
+                {"per_sample": True},
+                repeats,
+                problem=title,
+                name=f"{name} N={n}",
+                batch=n,
+            )
+        )
+    return rows
+
+
+def _table(rows: list[dict], environment: dict) -> str:
+    return ab.table(
+        "Per-sample diagonals of linear layers by their shortcut (issue 21)", "",
+        environment, rows, NAMES, (*NAMES, "squared / shortcut"), batch=True,
+    )  # fmt: skip
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
+    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison and write the JSON, the table and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/per-sample")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    environment = ab.environment(args.repeats)
+    rows = _rows(args.repeats)
+    record = {"environment": environment, "rows": rows}
+    table = _table(rows, environment)
+    ab.write(Path(args.out), "per_sample", record, table, lambda p: _plot(rows, p))
+
+
+if __name__ == "__main__":
+    main()
