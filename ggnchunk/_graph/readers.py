@@ -192,7 +192,7 @@ class Product:
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
         """Whether the samples group whole rows at this stride."""
-        return len(out) == 2 and stride % out[1] == 0
+        return (len(out) == 2 or out[0] == 1) and stride % out[-1] == 0
 
     def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
         """Each sample's gradient of the parameter: its rows' outer products summed.
@@ -205,7 +205,7 @@ class Product:
         Returns:
             ``[V, N, *param]``.
         """
-        v, width = grads.shape[0], grads.shape[2]
+        v, width = grads.shape[0], grads.shape[-1]
         per_row = stride // width
         rows = self.rows()
         grouped = grads.reshape(v, -1, samples, per_row, width)
@@ -494,12 +494,29 @@ def _signed(value: object) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+# views that reorder the elements (``torch.einsum`` permutes its operands)
+_PERMUTES = frozenset({"PermuteBackward0", "TransposeBackward0", "TBackward0"})
+
+
 def _part_of(index: Tensor, node: Node, number: int) -> Tensor | None:
-    """``index`` as ``node`` takes its part at output ``number`` (or reshapes it)."""
+    """``index`` as ``node`` takes its part at output ``number`` (or views it)."""
     name = node.name()
     if name in _RESHAPES:
         shape = grad_shape(node, 0)
         return None if shape is None else index.reshape(shape)
+    if name == "TBackward0":
+        return index.t() if index.dim() == 2 else None
+    if name == "PermuteBackward0":
+        dims = saved_value(node, "dims")
+        if not isinstance(dims, (tuple, list)) or len(dims) != index.dim():
+            return None
+        order = [_signed(d) for d in dims]
+        return None if None in order else index.permute(order)
+    if name == "TransposeBackward0":
+        first, second = (_signed(saved_value(node, k)) for k in ("dim0", "dim1"))
+        if first is None or second is None:
+            return None
+        return index.transpose(first, second)
     dim = _signed(saved_value(node, "dim"))
     if dim is None or not -index.dim() <= dim < index.dim():
         return None
@@ -550,7 +567,7 @@ def part_behind(
     current, out = node, number
     while accumulated_variable(current) is None:
         name = current.name()
-        if name not in _PARTS and name not in _RESHAPES:
+        if name not in _PARTS and name not in _RESHAPES and name not in _PERMUTES:
             return None
         if name not in ("SplitBackward0", "SplitWithSizesBackward0") and out != 0:
             return None
@@ -560,8 +577,8 @@ def part_behind(
         chain.append((current, out))
         current, out = inputs[0], current.next_functions[0][1]
     variable = accumulated_variable(current)
-    if not any(step.name() in _PARTS for step, _ in chain):
-        return None  # views alone: :func:`param_behind`'s
+    if not transposed and all(step.name() in _RESHAPES for step, _ in chain):
+        return None  # order-keeping views alone: :func:`param_behind`'s
     index: Tensor | None = torch.arange(variable.numel()).reshape(variable.shape)
     for step, taken in reversed(chain):
         index = _part_of(index, step, taken)
@@ -593,7 +610,8 @@ def read_part(
     if variable.is_complex() or not variable.is_floating_point() or node.name() in _NORMS:
         return None
     inner = _product(node, position, variable, shape, transposed)
-    if inner is None and not transposed:
+    if inner is None:  # the part as read, broadcast (``x + table.t()``)
+        index = index.t() if transposed else index
         inner = _broadcast(node, position, variable, shape)
     if inner is None:
         return None
@@ -670,7 +688,7 @@ def _product(
     node: Node, position: int, variable: Tensor, shape: torch.Size, transposed: bool
 ) -> Product | None:
     name = node.name()
-    if (name, position) == ("MmBackward0", 1):
+    if (name, position) in (("MmBackward0", 1), ("BmmBackward0", 1)):
         left, alpha = "self", 1.0
     elif (name, position) == ("AddmmBackward0", 2):
         left, alpha = "mat1", saved_value(node, "alpha")
@@ -680,10 +698,14 @@ def _product(
         return None
     out = grad_shape(node, 0)
     rows = saved_value(node, left)
-    if out is None or len(out) != 2 or not isinstance(rows, Tensor) or rows.dim() != 2:
+    if out is None or not isinstance(rows, Tensor) or rows.dim() != len(out):
         return None
-    if rows.is_complex() or tuple(shape) != (rows.shape[1], out[1]):
-        return None  # ``shape`` is the right factor as read: ``[I, O]``
+    if len(out) == 3 and (out[0] != 1 or rows.shape[0] != 1 or shape[:1] != (1,)):
+        return None  # a batched product of one matrix pair (``torch.einsum``'s)
+    if len(out) not in (2, 3) or rows.is_complex():
+        return None
+    if tuple(shape[-2:]) != (rows.shape[-1], out[-1]) or len(shape) != len(out):
+        return None  # ``shape`` is the right factor as read: ``[(1,) I, O]``
     return Product(
         GradientEdge(node, 0), lambda: saved_value(node, left), variable.shape,
         variable.dtype, transposed, float(alpha),

@@ -493,7 +493,11 @@ class Recording(Sweeps, MemoryBound, Checks):
                 # as another reader)
                 index = self._param_index[id(behind[0])]
                 params.add(index)
-                readers.setdefault(index, []).append(read_by(current, position, *behind))
+                reader = read_by(current, position, *behind)
+                if reader is None and behind[2]:  # ``W.T`` read by another than a product
+                    part = part_behind(nxt, number)
+                    reader = None if part is None else read_part(current, position, *part)
+                readers.setdefault(index, []).append(reader)
         source.frontier = list(frontier.values())
         source.cuts = cuts
         source.steps = steps

@@ -367,6 +367,29 @@ def _torch_encoder(batch_first: bool) -> Callable[[], nn.Module]:
     return Encoder
 
 
+class EinsumsAndPermutes(nn.Module):
+    """Parameters read through ``torch.einsum`` and views that reorder them.
+
+    ``einsum("ntd,de->nte", h, w)`` (torch permutes and views the weight, then one
+    ``bmm`` of a single matrix pair), ``einsum("ntd,ed->nte", h, v)`` (the weight read
+    transposed), a table added transposed (``x + table.t()``) and a permuted row of a
+    3-d gain.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.4)
+        self.v = nn.Parameter(torch.randn(D, D) * 0.4)
+        self.table = nn.Parameter(torch.randn(D, T))
+        self.gain = nn.Parameter(torch.randn(2, D, 1))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = torch.tanh(torch.einsum("ntd,de->nte", x, self.w)) + self.table.t()
+        h = torch.einsum("ntd,ed->nte", h, self.v) * self.gain[1].permute(1, 0)
+        return self.head(torch.tanh(h)[:, 0])
+
+
 class TorchDecoderLayer(nn.Module):
     """Torch's ``nn.TransformerDecoderLayer``, its memory a projection of the input.
 
@@ -421,6 +444,7 @@ MODELS = {
     "frames": (lambda: Frames().eval(), "mse"),
     "transposed-conv-weights": (lambda: TransposedConvWeights().eval(), "mse"),
     "parameter-parts": (ParameterParts, "ce"),
+    "einsums-and-permutes": (EinsumsAndPermutes, "mse"),
     # models others wrote
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
