@@ -31,10 +31,11 @@ the gradients at their outputs in one pass, for all samples at once:
 
 Views that keep the elements' order (``gamma.reshape(1, -1, 1, 1)``) and a transpose of
 a matrix (``W.T``) between the parameter and its reader are followed. So are parts of a
-parameter (slices, selections, splits: ``pos[:, :T]``, ``w.chunk(3)[k]``; :class:`Placed`):
-each element of a part is one element of the parameter, so the part's products are put
-at their places. A table's rows gathered in the glue (``table[position_ids]``, folded by
-:mod:`ggnchunk._glue_kernels`) are a lookup.
+parameter (slices, selections, splits: ``pos[:, :T]``, ``w.chunk(3)[k]``) and views that
+reorder it (permutations and transposes: ``torch.einsum`` permutes a weight before one
+``bmm``, read as a matrix product; :class:`Placed`): each element read is one element
+of the parameter, so the products are put at their places. A table's rows gathered in
+the glue (``table[position_ids]``, folded by :mod:`ggnchunk._glue_kernels`) are a lookup.
 
 Which positions of a reader's output belong to which sample cannot be read off shapes
 (a sequence-first ``[T, N, D]`` with ``T == N`` looks batch-first;
