@@ -135,7 +135,7 @@ class Checks(Traversal):
         if source.strides is None:
             room = reader_room(source, grads)
             if READ_PER_SAMPLE_ALWAYS or _worth_it(found, grads, room, self.passes_ahead):
-                # half the products' room: the probes' sightings take 5 bytes a position
+                # half the products' room: the probes' sightings take 6 bytes a position
                 source.strides = sample_strides(
                     source.target, source.frontier, found, grads, max(1, room // 2)
                 )

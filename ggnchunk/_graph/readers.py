@@ -901,17 +901,26 @@ def _candidate_strides(out: torch.Size, samples: int) -> list[int]:
 
 
 class _Sightings:
-    """What the probes saw at one reader's output, compactly (5 bytes a position).
+    """What the probes saw at one reader's output, compactly (6 bytes a position).
 
     ``code``: the bits of the sample index, set by the probes of each bit's 1-half;
     ``reached``: a probe reached the position; ``mixed``: both halves of a bit did (two
-    samples that differ reach it); ``ones``: the 1-half of the current bit did.
+    samples that differ reach it); ``every``: one half of every bit did; ``ones``: the
+    1-half of the current bit did.
+
+    A position that one sample's computation reaches is reached by every probe holding
+    that sample: one half of every bit. One that only some bits' halves reach carries
+    rounding alone: a value zero in exact arithmetic, that each probe rounds to zero or
+    not (the first query of causal attention: its softmax over one key has a zero
+    gradient, ``1 · (dP − dP)``). Its code is incomplete, so it proves nothing and is
+    left out of the proof (two samples meeting there would still show as mixed).
     """
 
     def __init__(self, size: int, bits: int):
         self.code = torch.zeros(size, dtype=torch.int16 if bits < 16 else torch.int32)
         self.reached = torch.zeros(size, dtype=torch.bool)
         self.mixed = torch.zeros(size, dtype=torch.bool)
+        self.every = torch.ones(size, dtype=torch.bool)
         self.ones: Tensor | None = None
 
     def see(self, probe: int, hit: Tensor) -> None:
@@ -922,13 +931,14 @@ class _Sightings:
             self.ones = hit
         else:
             self.mixed |= self.ones & hit
+            self.every &= self.ones | hit
             self.ones = None
 
     def stride(self, reader: Reader, out: torch.Size, samples: int) -> int | None:
         """The stride these sightings prove, if any."""
         if bool(self.mixed.any()):
             return None  # a position reached from samples that differ
-        position = self.reached.nonzero().squeeze(1)
+        position = (self.reached & self.every).nonzero().squeeze(1)
         candidates = torch.tensor(_candidate_strides(out, samples), dtype=torch.long)
         if len(candidates) and len(position):
             # a few positions rule out most candidates at once; survivors in full

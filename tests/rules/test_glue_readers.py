@@ -391,22 +391,27 @@ class EinsumsAndPermutes(nn.Module):
 
 
 class TorchDecoderLayer(nn.Module):
-    """Torch's ``nn.TransformerDecoderLayer``, its memory a projection of the input.
+    """Torch's ``nn.TransformerDecoderLayer``, causal, its memory a projection of the input.
 
     Its cross-attention reads the packed input projection in parts
-    (``in_proj_weight.split([E, 2E])``).
+    (``in_proj_weight.split([E, 2E])``). Its causal self-attention gives the first
+    query rounding alone (a softmax over one key has a zero gradient), which the proof
+    of the projection's samples must see through.
     """
 
-    def __init__(self):
+    def __init__(self, width: int = 32):  # rounding shows from 4 heads of 8
         super().__init__()
-        self.memory = nn.Linear(D, D)
+        self.up, self.memory = nn.Linear(D, width), nn.Linear(D, width)
         self.layer = nn.TransformerDecoderLayer(
-            D, 2, dim_feedforward=6, dropout=0.0, batch_first=True
+            width, 4, dim_feedforward=6, dropout=0.0, batch_first=True
         )
-        self.head = nn.Linear(D, 3)
+        self.head = nn.Linear(width, 3)
 
     def forward(self, x):
-        return self.head(self.layer(x, torch.tanh(self.memory(x[:, :3])))).mean(1)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        memory = torch.tanh(self.memory(x[:, :2]))
+        h = self.layer(self.up(x), memory, tgt_mask=mask, tgt_is_causal=True)
+        return self.head(h).mean(1)
 
 
 def _inputs(name: str, n: int) -> torch.Tensor:
