@@ -495,6 +495,10 @@ def _signed(value: object) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+# the largest parameter whose parts are placed (an int64 index of it is made once while
+# the graph is walked: 128 MiB); larger ones take one pass per sample
+_MOST_PLACED = 1 << 24
+
 # views that reorder the elements (``torch.einsum`` permutes its operands)
 _PERMUTES = frozenset({"PermuteBackward0", "TransposeBackward0", "TBackward0"})
 
@@ -580,6 +584,8 @@ def part_behind(
     variable = accumulated_variable(current)
     if not transposed and all(step.name() in _RESHAPES for step, _ in chain):
         return None  # order-keeping views alone: :func:`param_behind`'s
+    if variable.numel() > _MOST_PLACED:
+        return None  # the places are found on an index of the whole parameter
     index: Tensor | None = torch.arange(variable.numel()).reshape(variable.shape)
     for step, taken in reversed(chain):
         index = _part_of(index, step, taken)
