@@ -223,3 +223,70 @@ def bars(
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def case_row(
+    module: Any, switch: str, names: tuple[str, str], case: tuple, repeats: int
+) -> dict:
+    """:func:`compare` for one case ``(name, title, builder, batch, chunking)``, seeded.
+
+    Args:
+        module: The module holding the internal switch.
+        switch: The switch's name.
+        names: The two paths' names, off first.
+        case: The case: its short name, its title, ``builder(batch) -> (model,
+            loss_func, inputs, targets)``, the batch size and the chunking arguments.
+        repeats: Timed calls per path.
+
+    Returns:
+        The row, named ``"NAME N=BATCH"``.
+    """
+    import torch
+
+    name, title, builder, n, chunking = case[:5]
+    torch.manual_seed(0)
+    return compare(
+        module, switch, names, builder(n), chunking, repeats, problem=title,
+        name=f"{name} N={n}", batch=n,
+    )  # fmt: skip
+
+
+def batch_bars(rows: list[dict], names: tuple[str, str], path: Path) -> None:
+    """:func:`bars` with each row's name and chunking under its bars."""
+    labels = [f"{r['name']}\n{cells(r, names).split(' | ')[0]}" for r in rows]
+    bars(rows, names, names, labels, path, fontsize=7)
+
+
+def main(
+    argv: list[str] | None, doc: str, name: str, repeats: int,
+    rows: Callable[[int], list[dict]], make_table: Callable[[list[dict], dict], str],
+    plot: Callable[[list[dict], Path], None],
+) -> None:  # fmt: skip
+    """An A/B benchmark's command line: ``[--out DIR] [--repeats K]``, 1 thread.
+
+    Runs the rows, then writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into
+    ``--out`` (default ``benchmarks/results/NAME`` with ``-`` for ``_``).
+
+    Args:
+        argv: The arguments (``sys.argv[1:]`` where ``None``).
+        doc: The benchmark's docstring (its first line describes the command).
+        name: The files' stem.
+        repeats: The default of ``--repeats``.
+        rows: Makes the rows for a number of repeats.
+        make_table: The markdown table of the rows and the environment.
+        plot: Draws the rows into a path.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=f"benchmarks/results/{name.replace('_', '-')}")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    setting = environment(args.repeats)
+    found = rows(args.repeats)
+    record = {"environment": setting, "rows": found}
+    table_ = make_table(found, setting)
+    write(Path(args.out), name, record, table_, lambda path: plot(found, path))

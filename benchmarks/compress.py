@@ -14,7 +14,6 @@ Writes ``compress.json``, ``compress.md`` and ``compress.png`` into ``--out`` (d
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from benchmarks import ab
@@ -75,18 +74,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/compress")
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    environment = ab.environment(args.repeats)
-    rows = _rows(args.repeats)
-    record = {"environment": environment, "rows": rows}
-    table = _table(rows, environment)
-    ab.write(Path(args.out), "compress", record, table, lambda p: _plot(rows, p))
+    ab.main(argv, __doc__, "compress", 1, _rows, _table, _plot)
 
 
 if __name__ == "__main__":

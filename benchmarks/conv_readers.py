@@ -19,7 +19,6 @@ Writes ``conv_readers.json``, ``conv_readers.md`` and ``conv_readers.png`` into 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from benchmarks import ab
@@ -156,29 +155,15 @@ CASES = [
 
 
 def _rows(repeats: int) -> list[dict]:
-    import torch
-
     from ggnchunk import _glue_kernels
     from ggnchunk._graph import readers
 
-    rows = []
-    for name, title, builder, n, chunking, *switch in CASES:
-        torch.manual_seed(0)
-        transposed = switch == [TRANSPOSED]
-        rows.append(
-            ab.compare(
-                _glue_kernels if transposed else readers,
-                "TRANSPOSED_CONVS" if transposed else "READ_CONV_WEIGHTS",
-                NAMES,
-                builder(n),
-                chunking,
-                repeats,
-                problem=title,
-                name=f"{name} N={n}",
-                batch=n,
-            )
-        )
-    return rows
+    return [
+        ab.case_row(_glue_kernels, "TRANSPOSED_CONVS", NAMES, case, repeats)
+        if case[5:] == (TRANSPOSED,)
+        else ab.case_row(readers, "READ_CONV_WEIGHTS", NAMES, case, repeats)
+        for case in CASES
+    ]
 
 
 def _table(rows: list[dict], environment: dict) -> str:
@@ -189,24 +174,12 @@ def _table(rows: list[dict], environment: dict) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
-    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
+    ab.batch_bars(rows, NAMES, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/conv-readers")
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    environment = ab.environment(args.repeats)
-    rows = _rows(args.repeats)
-    record = {"environment": environment, "rows": rows}
-    table = _table(rows, environment)
-    ab.write(Path(args.out), "conv_readers", record, table, lambda p: _plot(rows, p))
+    ab.main(argv, __doc__, "conv_readers", 1, _rows, _table, _plot)
 
 
 if __name__ == "__main__":

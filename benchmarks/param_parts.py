@@ -19,7 +19,6 @@ Writes ``param_parts.json``, ``param_parts.md`` and ``param_parts.png`` into ``-
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from benchmarks import ab
@@ -117,27 +116,9 @@ CASES = [
 
 
 def _rows(repeats: int) -> list[dict]:
-    import torch
-
     from ggnchunk._graph import readers
 
-    rows = []
-    for name, title, builder, n, chunking in CASES:
-        torch.manual_seed(0)
-        rows.append(
-            ab.compare(
-                readers,
-                "READ_PARTS",
-                NAMES,
-                builder(n),
-                chunking,
-                repeats,
-                problem=title,
-                name=f"{name} N={n}",
-                batch=n,
-            )
-        )
-    return rows
+    return [ab.case_row(readers, "READ_PARTS", NAMES, case, repeats) for case in CASES]
 
 
 def _table(rows: list[dict], environment: dict) -> str:
@@ -148,24 +129,12 @@ def _table(rows: list[dict], environment: dict) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
-    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
+    ab.batch_bars(rows, NAMES, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/param-parts")
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    environment = ab.environment(args.repeats)
-    rows = _rows(args.repeats)
-    record = {"environment": environment, "rows": rows}
-    table = _table(rows, environment)
-    ab.write(Path(args.out), "param_parts", record, table, lambda p: _plot(rows, p))
+    ab.main(argv, __doc__, "param_parts", 1, _rows, _table, _plot)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ Writes ``per_sample.json``, ``per_sample.md`` and ``per_sample.png`` into ``--ou
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from benchmarks import ab
 
 NAMES = ("products squared", "shortcut")  # the switch off, then on
+PER_SAMPLE = {"per_sample": True}
 
 
 def _mlp(n: int) -> tuple:
@@ -49,35 +49,22 @@ def _torchvision(name: str, side: int):
 
 
 CASES = [
-    # (name, title, builder, batch)
-    ("mlp", "MLP 16384-4096-3", _mlp, 2),
-    ("alexnet", "torchvision AlexNet, 64×64, 3 classes", _torchvision("alexnet", 64), 2),
-    ("vgg11", "torchvision VGG-11, 32×32, 3 classes", _torchvision("vgg11", 32), 2),
-]
+    # (name, title, builder, batch, options)
+    ("mlp", "MLP 16384-4096-3", _mlp, 2, PER_SAMPLE),
+    ("alexnet", "torchvision AlexNet, 64×64, 3 classes", _torchvision("alexnet", 64), 2,
+     PER_SAMPLE),
+    ("vgg11", "torchvision VGG-11, 32×32, 3 classes", _torchvision("vgg11", 32), 2,
+     PER_SAMPLE),
+]  # fmt: skip
 
 
 def _rows(repeats: int) -> list[dict]:
-    import torch
-
     from ggnchunk import _quantities
 
-    rows = []
-    for name, title, builder, n in CASES:
-        torch.manual_seed(0)
-        rows.append(
-            ab.compare(
-                _quantities,
-                "PER_SAMPLE_SHORTCUTS",
-                NAMES,
-                builder(n),
-                {"per_sample": True},
-                repeats,
-                problem=title,
-                name=f"{name} N={n}",
-                batch=n,
-            )
-        )
-    return rows
+    return [
+        ab.case_row(_quantities, "PER_SAMPLE_SHORTCUTS", NAMES, case, repeats)
+        for case in CASES
+    ]
 
 
 def _table(rows: list[dict], environment: dict) -> str:
@@ -88,24 +75,12 @@ def _table(rows: list[dict], environment: dict) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    labels = [f"{r['name']}\n{ab.cells(r, NAMES).split(' | ')[0]}" for r in rows]
-    ab.bars(rows, NAMES, NAMES, labels, path, fontsize=7)
+    ab.batch_bars(rows, NAMES, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/per-sample")
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    environment = ab.environment(args.repeats)
-    rows = _rows(args.repeats)
-    record = {"environment": environment, "rows": rows}
-    table = _table(rows, environment)
-    ab.write(Path(args.out), "per_sample", record, table, lambda p: _plot(rows, p))
+    ab.main(argv, __doc__, "per_sample", 2, _rows, _table, _plot)
 
 
 if __name__ == "__main__":

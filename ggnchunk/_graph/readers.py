@@ -91,6 +91,7 @@ __all__ = [
     "computed_weight",
     "param_behind",
     "part_behind",
+    "read_behind",
     "read_by",
     "read_part",
     "reader_groups",
@@ -624,6 +625,41 @@ def read_part(
         return None
     inner = replace(inner, param=index.shape)
     return Placed(inner, index.reshape(-1), variable.shape, variable.dtype)
+
+
+def read_behind(
+    node: Node, position: int, known: Callable[[Tensor], bool]
+) -> tuple[Tensor, Reader | None] | None:  # fmt: skip
+    """The trainable parameter at input ``position`` of ``node``, and its reader there.
+
+    The parameter itself, behind views that keep the order or one ``.T``
+    (:func:`param_behind`: its reader, or ``None`` where ``node`` reads it otherwise: a
+    pass per sample), or a part of it (:func:`part_behind`, where the part has a
+    reader; also ``W.T`` read by another than a matrix product).
+
+    Args:
+        node: A node of the glue.
+        position: Which of its inputs.
+        known: Whether a leaf is a trainable parameter of the call.
+
+    Returns:
+        ``(parameter, reader or None)``, or ``None`` where no trainable parameter is
+        there (the walk goes on into the input).
+    """
+    nxt, number = node.next_functions[position]
+    behind = param_behind(nxt)
+    if behind is not None and known(behind[0]):
+        reader = read_by(node, position, *behind)
+        if reader is None and behind[2]:  # ``W.T`` read by another than a product
+            part = part_behind(nxt, number)
+            reader = None if part is None else read_part(node, position, *part)
+        return behind[0], reader
+    part = part_behind(nxt, number) if behind is None else None
+    if part is not None and known(part[0]):
+        placed = read_part(node, position, *part)
+        if placed is not None:
+            return part[0], placed
+    return None
 
 
 def _normalized(node: Node) -> Callable[[], Tensor]:

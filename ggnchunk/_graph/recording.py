@@ -38,10 +38,7 @@ from ggnchunk._graph.readers import (
     Product,
     Reader,
     computed_weight,
-    param_behind,
-    part_behind,
-    read_by,
-    read_part,
+    read_behind,
 )
 from ggnchunk._graph.sweep import Sweeps
 from ggnchunk._rules import LayerRule, RuleContext
@@ -461,12 +458,15 @@ class Recording(Sweeps, MemoryBound, Checks):
                     frontier[key] = cut.target
                     cuts.append(key)
                     continue
-                behind = param_behind(nxt)  # a parameter, maybe behind views or .T
-                computed = (
-                    None
-                    if behind is not None
-                    else computed_weight(current, position, known, stops)
-                )
+                # a parameter behind views, ``.T`` or as a part (``pos[:, :T]``): read
+                # there, not walked (the views would count as another reader)
+                found = read_behind(current, position, known)
+                if found is not None:
+                    index = self._param_index[id(found[0])]
+                    params.add(index)
+                    readers.setdefault(index, []).append(found[1])
+                    continue
+                computed = computed_weight(current, position, known, stops)
                 if computed is not None:
                     # a convolution's weight computed from parameters alone (weight
                     # standardization, weight norm): read at the convolution, not walked
@@ -475,29 +475,8 @@ class Recording(Sweeps, MemoryBound, Checks):
                         params.add(index)
                         readers.setdefault(index, []).append(reader)
                     continue
-                if behind is None:  # a part of a parameter (``pos[:, :T]``), maybe
-                    part = part_behind(nxt, number)
-                    placed = None
-                    if part is not None and id(part[0]) in self._param_index:
-                        placed = read_part(current, position, *part)
-                    if placed is not None:  # read where the part is, not walked
-                        index = self._param_index[id(part[0])]
-                        params.add(index)
-                        readers.setdefault(index, []).append(placed)
-                        continue
-                if behind is None or id(behind[0]) not in self._param_index:
-                    stack.append(nxt)
-                    steps.append((id(current), nxt))
-                    continue
-                # the views are the reader's business: not walked (they would count
-                # as another reader)
-                index = self._param_index[id(behind[0])]
-                params.add(index)
-                reader = read_by(current, position, *behind)
-                if reader is None and behind[2]:  # ``W.T`` read by another than a product
-                    part = part_behind(nxt, number)
-                    reader = None if part is None else read_part(current, position, *part)
-                readers.setdefault(index, []).append(reader)
+                stack.append(nxt)
+                steps.append((id(current), nxt))
         source.frontier = list(frontier.values())
         source.cuts = cuts
         source.steps = steps
