@@ -353,13 +353,16 @@ class Placed:
     ``self.pos[:, :T]``, ``table[1 : T + 1]``, ``w.chunk(3)[k]``: the part's products
     per sample are those of a reader of the part, put at the part's elements of the
     parameter (zero elsewhere). A part is a map from distinct elements of the
-    parameter, so each of its elements has one place.
+    parameter, so each of its elements has one place. A part (or the whole parameter)
+    times a constant number (``0.5 * self.pos``, ``-w``, ``w / 4``) has the products of
+    the part times that number.
     """
 
     inner: Broadcast | Product  # reads the part (its ``param``: the part's shape)
     index: Tensor  # the parameter's flat index of each element of the part
     param: torch.Size
     dtype: torch.dtype
+    scale: float = 1.0  # the part is read times this number (``0.5 * self.pos``)
 
     @property
     def edge(self) -> GradientEdge:
@@ -373,6 +376,8 @@ class Placed:
     def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
         """``[V, N, *param]``: the part's products at their places, zero elsewhere."""
         part = self.inner.per_sample(grads, samples, stride)
+        if self.scale != 1.0:
+            part = part * self.scale
         v = part.shape[0]
         result = part.new_zeros(v, samples, self.param.numel())
         result[:, :, self.index.to(part.device)] = part.reshape(v, samples, -1)
@@ -504,6 +509,43 @@ _MOST_PLACED = 1 << 24
 _PERMUTES = frozenset({"PermuteBackward0", "TransposeBackward0", "TBackward0"})
 
 
+# a tensor times a constant number: ``0.5 * w`` (torch saves the number as a 0-d
+# tensor), ``w / 4``, ``-w``; the gradient of the tensor is the number times the
+# gradient of the product
+_SCALES = frozenset({
+    "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0",
+})  # fmt: skip
+
+
+def _number(value: object) -> float | None:
+    """A saved constant number (a Python number or a 0-d tensor with no grad)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if (
+        isinstance(value, Tensor) and value.dim() == 0 and not value.requires_grad
+        and not value.is_complex() and value.device.type != "meta"
+    ):  # fmt: skip
+        return float(value)
+    return None
+
+
+def _factor(node: Node) -> float | None:
+    """The number a scaling node multiplies its one tensor input by, or ``None``."""
+    name = node.name()
+    if name == "NegBackward0":
+        return -1.0
+    taken = [k for k, (nxt, _) in enumerate(node.next_functions) if nxt is not None]
+    if len(taken) != 1:
+        return None
+    if name.startswith("Div"):  # ``w / c`` only (``c / w`` is not linear in ``w``)
+        c = _number(saved_value(node, "other")) if taken == [0] else None
+        return None if c is None or c == 0.0 else 1.0 / c
+    c = _number(saved_value(node, "other" if taken == [0] else "self"))
+    return c
+
+
 def _part_of(index: Tensor, node: Node, number: int) -> Tensor | None:
     """``index`` as ``node`` takes its part at output ``number`` (or views it)."""
     name = node.name()
@@ -546,11 +588,12 @@ def _part_of(index: Tensor, node: Node, number: int) -> Tensor | None:
 
 def part_behind(
     node: Node, number: int
-) -> tuple[Tensor, torch.Size, Tensor, bool] | None:  # fmt: skip
+) -> tuple[Tensor, torch.Size, Tensor, bool, float] | None:  # fmt: skip
     """The parameter that ``node`` (output ``number``) takes a part of, if it does.
 
-    A chain of slices, selections, splits and views (at least one part) from a leaf,
-    maybe read transposed (``w.chunk(3)[0].T`` in ``F.linear``).
+    A chain of slices, selections, splits, views and products with constant numbers
+    (at least one that is not an order-keeping view) from a leaf, maybe read
+    transposed (``w.chunk(3)[0].T`` in ``F.linear``).
 
     Args:
         node: A node of the autograd graph (an input of a reader).
@@ -558,7 +601,8 @@ def part_behind(
 
     Returns:
         ``(leaf, the shape read, the leaf's flat index of each element of the part in
-        the part's shape, transposed)`` or ``None``.
+        the part's shape, transposed, the number the part is multiplied by)`` or
+        ``None``.
     """
     if not READ_PARTS:
         return None
@@ -570,9 +614,19 @@ def part_behind(
             return None
         node, number = inputs[0]
     chain: list[tuple[Node, int]] = []
+    scale = 1.0
     current, out = node, number
     while accumulated_variable(current) is None:
         name = current.name()
+        if name in _SCALES:
+            factor = _factor(current) if out == 0 else None
+            if factor is None or len(chain) > 16:
+                return None
+            scale *= factor
+            current, out = next(
+                (nxt, k) for nxt, k in current.next_functions if nxt is not None
+            )
+            continue
         if name not in _PARTS and name not in _RESHAPES and name not in _PERMUTES:
             return None
         if name not in ("SplitBackward0", "SplitWithSizesBackward0") and out != 0:
@@ -583,8 +637,13 @@ def part_behind(
         chain.append((current, out))
         current, out = inputs[0], current.next_functions[0][1]
     variable = accumulated_variable(current)
-    if not transposed and all(step.name() in _RESHAPES for step, _ in chain):
+    if (
+        not transposed and scale == 1.0
+        and all(step.name() in _RESHAPES for step, _ in chain)
+    ):  # fmt: skip
         return None  # order-keeping views alone: :func:`param_behind`'s
+    if not math.isfinite(scale):
+        return None
     if variable.numel() > _MOST_PLACED:
         return None  # the places are found on an index of the whole parameter
     index: Tensor | None = torch.arange(variable.numel()).reshape(variable.shape)
@@ -595,12 +654,12 @@ def part_behind(
     read = index.t() if transposed and index.dim() == 2 else index
     if shape is None or (transposed and index.dim() != 2) or read.shape != shape:
         return None
-    return variable, shape, index, transposed
+    return variable, shape, index, transposed, scale
 
 
 def read_part(
     node: Node, position: int, variable: Tensor, shape: torch.Size, index: Tensor,
-    transposed: bool,
+    transposed: bool, scale: float = 1.0,
 ) -> Placed | None:  # fmt: skip
     """The reader of a part of ``variable`` (:func:`part_behind`) that ``node`` is.
 
@@ -611,6 +670,7 @@ def read_part(
         shape: The shape the node reads the part in.
         index: The parameter's flat index of each element of the part.
         transposed: Whether the node reads the part as ``part.T``.
+        scale: The number the part is multiplied by before the node reads it.
 
     Returns:
         A :class:`Placed` broadcast or matrix product, or ``None``.
@@ -624,7 +684,7 @@ def read_part(
     if inner is None:
         return None
     inner = replace(inner, param=index.shape)
-    return Placed(inner, index.reshape(-1), variable.shape, variable.dtype)
+    return Placed(inner, index.reshape(-1), variable.shape, variable.dtype, scale)
 
 
 def read_behind(

@@ -302,6 +302,9 @@ class ParameterParts(nn.Module):
     ``F.linear`` (``w.chunk(3)``: transposed parts of matrix products), attention
     between them; and a table's rows gathered by position ids per sample (transformers'
     Whisper decoder: ``weight[position_ids]``; here the first id is -1, the last row).
+    Parts and whole parameters times constant numbers (``0.5 * pos``, ``gain / 3``,
+    ``-tail``, a 0-d tensor times a scale: layer scales and ``alpha`` of timm's and
+    OpenAI's models).
     """
 
     def __init__(self):
@@ -313,13 +316,15 @@ class ParameterParts(nn.Module):
         self.packed = nn.Parameter(torch.randn(3 * D, D) * 0.4)
         self.packed_bias = nn.Parameter(torch.randn(3 * D))
         self.rows = nn.Parameter(torch.randn(T + 1, D))
+        self.scale = nn.Parameter(torch.randn(D))
         self.head = nn.Linear(D, 3)
 
     def forward(self, x):
         t = x.shape[1]
         ids = (torch.arange(t) - 1).expand(x.shape[0], t)
-        h = x + self.pos[:, :t] + self.table[1 : t + 1] + self.rows[ids]
-        h = h * self.gains[1] + self.tail[-D:]
+        h = x + 0.5 * self.pos[:, :t] + self.table[1 : t + 1] + self.rows[ids]
+        h = h * (self.gains[1] / 3) - self.tail[-D:] * torch.tensor(2.0)
+        h = h + torch.tanh(h) * (-self.scale * 0.25)
         wq, wk, wv = self.packed.chunk(3)
         bq, bk, bv = self.packed_bias.split([D, D, D])
         q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
