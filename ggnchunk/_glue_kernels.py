@@ -66,6 +66,7 @@ __all__ = [
     "FOLDERS",
     "fold_glue_call",
     "folded_conv",
+    "folded_product",
     "folded_rows",
     "glue_kernel_workspace",
     "pad_transposed",
@@ -632,6 +633,32 @@ class _Rows(_Spec):
         return result.index_add(1 + axis, index, flat)
 
 
+class _Points(_Spec):
+    """``x[i, j]``: points of the leading axes gathered by integer tensors.
+
+    OpenAI CLIP's end tokens, ``x[arange(N), text.argmax(-1)]``: the index tensors
+    broadcast together; the columns are added back at their points (one ``index_add``
+    on the leading axes flattened), where torch's batching ran ``index_put`` once per
+    column.
+    """
+
+    def call(self, x):
+        return x[self.args["index"]]
+
+    def transposed(self, ctx, grads, saved):
+        shape, index = ctx.in_shape, self.args["index"]
+        lead, rest = shape[: len(index)], shape[len(index) :]
+        linear: Tensor | int = 0
+        for entry, size in zip(index, lead, strict=True):
+            linear = linear * size + entry.to(device=grads.device, dtype=torch.int64) % size
+        assert isinstance(linear, Tensor)
+        count = grads.shape[0]
+        source = grads.reshape(count, linear.numel(), *rest)
+        result = grads.new_zeros(count, math.prod(lead), *rest)
+        result.index_add_(1, linear.reshape(-1), source)
+        return result.view(count, *shape)
+
+
 class _Softmax(_Spec):
     saves_output = True
 
@@ -1121,6 +1148,23 @@ def folded_conv(node: Any) -> tuple[Callable[[], Tensor | None], tuple] | None:
     return (lambda: node.saved_tensors[0]), spec.geometry()
 
 
+def folded_product(node: Any) -> tuple[Callable[[], Tensor | None], float] | None:
+    """A folded matrix product's left factor (made when asked) and ``alpha``, if any.
+
+    Args:
+        node: An autograd node.
+
+    Returns:
+        ``(a, alpha)`` of ``alpha · a @ b`` (``bmm``, ``matmul``, ``baddbmm``), or
+        ``None`` where ``node`` is no folded product (:class:`_Product`). ``a`` is
+        ``None`` where ``b`` needs no products (not saved).
+    """
+    spec = getattr(node, "spec", None)
+    if not isinstance(spec, _Product):
+        return None
+    return (lambda: node.saved_tensors[0]), spec.alpha
+
+
 def folded_rows(node: Any) -> tuple[Tensor, int, tuple[int, ...]] | None:
     """A folded ``table[index]``'s index, axis and table shape, if ``node`` is one.
 
@@ -1226,6 +1270,9 @@ def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     if len(args) != 2 or kwargs:
         return None
     x, index = args
+    points = _points(x, index)
+    if points is not None:
+        return points
     axis = 0
     if isinstance(index, tuple):  # whole slices (and at most one ``...``) around one
         # index: x[:, idx], x[..., [-2], :] (Falcon's fused query, key and value heads)
@@ -1239,6 +1286,35 @@ def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     if not _foldable(x) or x.dim() <= axis or index.requires_grad or index.is_nested:
         return None
     return _on(_Rows(Tensor.__getitem__, {"index": index, "axis": axis}), x)
+
+
+def _points(x: Any, index: Any) -> _Spec | None:
+    """``x[i, j, ...]``: two or more leading integer tensors, then whole slices."""
+    if not isinstance(index, tuple) or not _foldable(x):
+        return None
+    tensors = []
+    for entry in index:
+        if type(entry) is not Tensor:
+            break
+        tensors.append(entry)
+    tail = index[len(tensors) :]
+    full = slice(None)
+    if len(tensors) < 2 or len(tensors) > x.dim():
+        return None
+    if not all(e is Ellipsis or (isinstance(e, slice) and e == full) for e in tail):
+        return None
+    if sum(e is Ellipsis for e in tail) > 1:
+        return None
+    if any(
+        t.dtype not in (torch.int64, torch.int32) or t.requires_grad or t.is_nested
+        for t in tensors
+    ):  # fmt: skip
+        return None
+    try:
+        torch.broadcast_shapes(*(t.shape for t in tensors))
+    except RuntimeError:
+        return None
+    return _on(_Points(Tensor.__getitem__, {"index": tuple(tensors)}), x)
 
 
 def _index_axis(entries: tuple, rank: int) -> tuple[int, Any]:

@@ -77,7 +77,7 @@ from ggnchunk._autograd import (
     output_count,
     saved_value,
 )
-from ggnchunk._glue_kernels import folded_conv, folded_rows
+from ggnchunk._glue_kernels import folded_conv, folded_product, folded_rows
 
 if TYPE_CHECKING:
     from ggnchunk._graph.parts import _Source
@@ -183,24 +183,46 @@ class Broadcast:
 
 @dataclass(frozen=True)
 class Product:
-    """A parameter as the right factor of a matrix product ``rows @ W.T`` (or ``@ W``)."""
+    """A parameter as the right factor of a matrix product ``rows @ W.T`` (or ``@ W``).
 
-    edge: GradientEdge  # the product's output ``[R, O]``
-    rows: Callable[[], Tensor]  # the left factor ``[R, I]`` (saved by the node)
-    param: torch.Size  # ``[O, I]`` (transposed) or ``[I, O]``
+    Also a batched or broadcast product of several weights (``bmm``, ``torch.einsum``
+    with a per-head weight ``"nhtd,hde->nhte"``, ``x @ w`` with ``x`` ``[N, H, T, D]``
+    and ``w`` ``[H, D, E]``): ``pairs`` says which weight each output row uses, and
+    each sample's products of a weight are those of its rows that use it.
+    """
+
+    edge: GradientEdge  # the product's output ``[..., O]``
+    rows: Callable[[], Tensor]  # the left factor, ``[R, I]`` once reshaped (as saved)
+    param: torch.Size  # ``[O, I]`` (transposed) or ``[I, O]`` (or ``[*P, I, O]``)
     dtype: torch.dtype
     transposed: bool
     alpha: float = 1.0
+    pairs: Tensor | None = None  # ``[R]``: the weight of each output row (``None``: one)
+    count: int = 1  # how many weights (``pairs``' values are ``0 .. count - 1``)
+
+    def _keys(self, rows: int, width: int, stride: int, samples: int) -> Tensor:
+        """Each row's sample times ``count`` plus its weight."""
+        assert self.pairs is not None
+        sample = torch.arange(rows).mul_(width).div_(stride, rounding_mode="floor")
+        return sample.remainder_(samples).mul_(self.count).add_(self.pairs)
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
-        """Whether the samples group whole rows at this stride."""
-        return (len(out) == 2 or out[0] == 1) and stride % out[-1] == 0
+        """Whether the samples group whole rows at this stride (alike for each weight)."""
+        if stride % out[-1]:
+            return False
+        if self.pairs is None:
+            return True
+        rows = out.numel() // out[-1]
+        counts = torch.bincount(
+            self._keys(rows, out[-1], stride, samples), minlength=samples * self.count
+        )
+        return bool((counts == counts[0]).all()) and int(counts[0]) > 0
 
     def per_sample(self, grads: Tensor, samples: int, stride: int) -> Tensor:
         """Each sample's gradient of the parameter: its rows' outer products summed.
 
         Args:
-            grads: ``[V, R, O]``, the gradients at the product's output.
+            grads: ``[V, *out]``, the gradients at the product's output.
             samples: ``N``.
             stride: The samples' stride in the flattened output (whole rows).
 
@@ -208,15 +230,24 @@ class Product:
             ``[V, N, *param]``.
         """
         v, width = grads.shape[0], grads.shape[-1]
-        per_row = stride // width
         rows = self.rows()
-        grouped = grads.reshape(v, -1, samples, per_row, width)
-        inputs = rows.reshape(-1, samples, per_row, rows.shape[-1]).to(grads.dtype)
-        spec = "vanqo,anqi->vnoi" if self.transposed else "vanqo,anqi->vnio"
+        rows = rows.reshape(-1, rows.shape[-1]).to(grads.dtype)
+        if self.pairs is None:
+            per_row = stride // width
+            grouped = grads.reshape(v, -1, samples, per_row, width)
+            inputs = rows.reshape(-1, samples, per_row, rows.shape[-1])
+            spec = "vanqo,anqi->vnoi" if self.transposed else "vanqo,anqi->vnio"
+        else:  # each sample's rows of each weight together, in equal numbers
+            keys = self._keys(rows.shape[0], width, stride, samples)
+            order = torch.argsort(keys, stable=True).to(grads.device)
+            grouped = grads.reshape(v, -1, width)[:, order]
+            grouped = grouped.view(v, samples, self.count, -1, width)
+            inputs = rows[order].view(samples, self.count, -1, rows.shape[-1])
+            spec = "vnpro,npri->vnpoi" if self.transposed else "vnpro,npri->vnpio"
         result = torch.einsum(spec, grouped, inputs)
         if self.alpha != 1.0:
             result = result * self.alpha
-        return result.to(self.dtype)
+        return result.reshape(v, samples, *self.param).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -790,7 +821,19 @@ def _broadcast(
 def _product(
     node: Node, position: int, variable: Tensor, shape: torch.Size, transposed: bool
 ) -> Product | None:
+    """The reader of a matrix product's right factor read as ``shape``, if any.
+
+    ``mm``, ``addmm``, ``bmm``, or a folded ``matmul``/``bmm``/``baddbmm`` of the glue.
+    """
     name = node.name()
+    folded = folded_product(node)
+    if folded is not None:
+        if not READ_FOLDED_PRODUCTS:
+            return None
+        rows_of, out, alpha = folded[0], grad_shape(node, 0), folded[1]
+        if position != len(node.next_functions) - 1 or out is None:
+            return None  # the left factor, or ``baddbmm``'s input
+        return _pairs_product(node, rows_of, out, variable, shape, transposed, alpha)
     if (name, position) in (("MmBackward0", 1), ("BmmBackward0", 1)):
         left, alpha = "self", 1.0
     elif (name, position) == ("AddmmBackward0", 2):
@@ -800,20 +843,56 @@ def _product(
     else:
         return None
     out = grad_shape(node, 0)
-    rows = saved_value(node, left)
-    if out is None or not isinstance(rows, Tensor) or rows.dim() != len(out):
+    if out is None or len(out) not in (2, 3):
         return None
-    if len(out) == 3 and (out[0] != 1 or rows.shape[0] != 1 or shape[:1] != (1,)):
-        return None  # a batched product of one matrix pair (``torch.einsum``'s)
-    if len(out) not in (2, 3) or rows.is_complex():
+    return _pairs_product(
+        node, lambda: saved_value(node, left), out, variable, shape, transposed, alpha
+    )
+
+
+def _pairs_product(
+    node: Node, rows_of: Callable[[], Tensor | None], out: torch.Size, variable: Tensor,
+    shape: torch.Size, transposed: bool, alpha: float,
+) -> Product | None:  # fmt: skip
+    """A :class:`Product` of the right factor read as ``shape`` (``[*B, I, O]``).
+
+    The output ``[*L, R, O]``; the factor's batch axes ``B`` broadcast against ``L``
+    (matched from the right), so each output row uses the weight at its broadcast index.
+    """
+    rows = rows_of()
+    if not isinstance(rows, Tensor) or rows.is_complex() or len(shape) < 2:
         return None
-    if tuple(shape[-2:]) != (rows.shape[-1], out[-1]) or len(shape) != len(out):
-        return None  # ``shape`` is the right factor as read: ``[(1,) I, O]``
+    if len(out) < 2 or tuple(shape[-2:]) != (rows.shape[-1], out[-1]):
+        return None  # ``shape`` is the right factor as read: ``[*B, I, O]``
+    lead, batch = tuple(out[:-2]), tuple(shape[:-2])
+    if len(batch) > len(lead) or rows.shape[-2] != out[-2]:
+        return None
+    if any(b not in (1, o) for b, o in zip(batch[::-1], lead[::-1], strict=False)):
+        return None
+    if rows.dim() != len(out) or tuple(rows.shape[:-2]) != lead:
+        if any(
+            r not in (1, o) for r, o in zip(rows.shape[-3::-1], lead[::-1], strict=False)
+        ):
+            return None
+        saved = rows_of  # broadcast over the output's batch axes: expanded when read
+        rows_of = lambda: saved().expand(*lead, *saved().shape[-2:])  # noqa: E731
+    count = math.prod(batch)
+    pairs = None
+    if count > 1:
+        index = torch.arange(count).reshape(batch).expand(lead)
+        pairs = index.reshape(-1, 1).expand(-1, out[-2]).reshape(-1)
+    if transposed and batch:
+        return None  # ``W.T`` is a 2-d weight
     return Product(
-        GradientEdge(node, 0), lambda: saved_value(node, left), variable.shape,
-        variable.dtype, transposed, float(alpha),
+        GradientEdge(node, 0), rows_of, variable.shape, variable.dtype, transposed,
+        float(alpha), pairs, count,
     )  # fmt: skip
 
+
+# the internal switch (tests, benchmarks): False leaves the right factors of the glue's
+# folded matrix products (``x @ proj``, ``matmul``/``bmm`` of the glue) to one pass per
+# sample, as before they were read
+READ_FOLDED_PRODUCTS = True
 
 # the internal switch (tests, benchmarks): False leaves parts of parameters (slices,
 # selections, splits) and rows gathered in the glue to one pass per sample, as before

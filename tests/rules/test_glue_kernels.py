@@ -109,6 +109,17 @@ CALLS = {
     "rows-list-after-ellipsis": ((2, 3, 6, 2), lambda x: x[..., [-2], :]),
     "rows-before-ellipsis": ((2, 5, 3, 2), lambda x: x[:, [4, 1, 1], ...]),
     "rows-0d-index": ((2, 5, 3), lambda x: x[:, torch.tensor(3)]),
+    # OpenAI CLIP's end tokens: x[arange(N), text.argmax(-1)]
+    "points-end-tokens": ((3, 5, 4), lambda x: x[torch.arange(3), torch.tensor([4, 0, 4])]),
+    # broadcast index tensors, a negative one, a repeated point, a trailing ellipsis
+    "points-broadcast": (
+        (3, 4, 2, 2),
+        lambda x: x[torch.tensor([[0], [2]]), torch.tensor([1, -1, 1]), ...],
+    ),
+    "points-three-axes": (
+        (2, 3, 4),
+        lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 2]), torch.tensor([3, 0])],
+    ),
     "masked-fill": (
         (2, 3, 4, 4),
         lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
@@ -323,6 +334,8 @@ def test_calls_that_mix_samples_or_need_no_grad_are_left_to_torch(call):
         (lambda x: F.max_pool2d(x, 0), RuntimeError),
         (lambda x: x.softmax(7), IndexError),
         (lambda x: x[torch.tensor([9])], IndexError),
+        (lambda x: x[torch.tensor([0, 1]), torch.tensor([5, 0])], IndexError),
+        (lambda x: x[torch.tensor([0, 1]), torch.tensor([1, 0, 2])], IndexError),
     ],
 )
 def test_a_call_torch_refuses_raises_torchs_own_error(call, error):

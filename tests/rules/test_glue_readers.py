@@ -19,6 +19,7 @@ chunkings and each sample's diagonal (``per_sample=True``), at batch sizes 1, 2,
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -378,7 +379,10 @@ class EinsumsAndPermutes(nn.Module):
     ``einsum("ntd,de->nte", h, w)`` (torch permutes and views the weight, then one
     ``bmm`` of a single matrix pair), ``einsum("ntd,ed->nte", h, v)`` (the weight read
     transposed), a table added transposed (``x + table.t()``) and a permuted row of a
-    3-d gain.
+    3-d gain; per-head weights (``einsum("nhtd,hde->nhte")``, and ``"nhtd,hed->nhte"``
+    read permuted: ``bmm`` of one matrix pair per head) and a weight per position
+    (``torch.bmm`` of the tokens' ``[T, N, D]`` with a ``[T, D, D]`` parameter: each
+    pair's rows are the samples).
     """
 
     def __init__(self):
@@ -387,12 +391,71 @@ class EinsumsAndPermutes(nn.Module):
         self.v = nn.Parameter(torch.randn(D, D) * 0.4)
         self.table = nn.Parameter(torch.randn(D, T))
         self.gain = nn.Parameter(torch.randn(2, D, 1))
+        self.heads = nn.Parameter(torch.randn(2, D // 2, 3) * 0.5)
+        self.heads_out = nn.Parameter(torch.randn(2, D // 2, 3) * 0.5)
+        self.positions = nn.Parameter(torch.randn(T, D, D) * 0.4)
         self.head = nn.Linear(D, 3)
 
     def forward(self, x):
+        n, t, _ = x.shape
         h = torch.tanh(torch.einsum("ntd,de->nte", x, self.w)) + self.table.t()
         h = torch.einsum("ntd,ed->nte", h, self.v) * self.gain[1].permute(1, 0)
+        split = h.view(n, t, 2, D // 2).transpose(1, 2)  # [N, heads, T, D/2]
+        per_head = torch.einsum("nhtd,hde->nhte", torch.tanh(split), self.heads)
+        back = torch.einsum("nhte,hde->nhtd", torch.tanh(per_head), self.heads_out)
+        h = h + back.transpose(1, 2).reshape(n, t, D)
+        h = h + torch.bmm(torch.tanh(h).transpose(0, 1), self.positions).transpose(0, 1)
         return self.head(torch.tanh(h)[:, 0])
+
+
+class MatrixProducts(nn.Module):
+    """Parameters as right factors of ``@`` and ``baddbmm`` in the glue (folded products).
+
+    A projection of the first token (``x[:, 0] @ proj``, OpenAI CLIP's), of every token
+    (``h @ w``, 3-d times 2-d), per-head weights broadcast over the samples
+    (``[N, H, T, D] @ [H, D, E]``), the same read transposed (``.mT``), and
+    ``baddbmm`` of a fixed bias with a weight per position.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, 2 * D) * 0.4)
+        self.heads = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
+        self.heads_t = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
+        self.positions = nn.Parameter(torch.randn(T, D, 2 * D) * 0.4)
+        self.proj = nn.Parameter(torch.randn(2 * D, 3) * 0.4)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        h = torch.tanh(x @ self.w)[..., :D] + x  # [N, T, D]
+        split = torch.tanh(h).view(n, t, 2, D // 2).transpose(1, 2)  # [N, 2, T, D/2]
+        wide = split @ self.heads  # [N, 2, T, 3D]
+        back = torch.tanh(wide) @ self.heads_t.mT  # [N, 2, T, D/2]
+        h = h + wide.sum(1)[..., :D] + back.transpose(1, 2).reshape(n, t, D)
+        bias = torch.ones(t, n, 2 * D, dtype=x.dtype)
+        tokens = torch.baddbmm(bias, torch.tanh(h).transpose(0, 1), self.positions)
+        return torch.tanh(tokens.transpose(0, 1))[:, 0] @ self.proj
+
+
+class EndTokens(nn.Module):
+    """OpenAI CLIP's text head: each sequence's end token times ``text_projection``.
+
+    ``x[torch.arange(N), text.argmax(-1)] @ self.text_projection`` after a token and
+    position embedding and a pre-norm residual MLP (the end token: the largest id).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.token_embedding = nn.Embedding(7, D)
+        self.positional_embedding = nn.Parameter(torch.randn(T, D))
+        self.ln = nn.LayerNorm(D)
+        self.mlp = nn.Linear(D, D)
+        self.text_projection = nn.Parameter(torch.randn(D, 3) * 0.5)
+
+    def forward(self, text):
+        x = self.token_embedding(text) + self.positional_embedding
+        x = x + torch.tanh(self.mlp(self.ln(x)))
+        return x[torch.arange(x.shape[0]), text.argmax(dim=-1)] @ self.text_projection
 
 
 class TorchDecoderLayer(nn.Module):
@@ -420,6 +483,8 @@ class TorchDecoderLayer(nn.Module):
 
 
 def _inputs(name: str, n: int) -> torch.Tensor:
+    if name == "end-tokens":
+        return torch.randint(0, 7, (n, T))
     if name == "lookups":
         ids = torch.randint(0, 7, (n, T))
         ids[0, 0] = 0  # the padding row
@@ -455,6 +520,8 @@ MODELS = {
     "transposed-conv-weights": (lambda: TransposedConvWeights().eval(), "mse"),
     "parameter-parts": (ParameterParts, "ce"),
     "einsums-and-permutes": (EinsumsAndPermutes, "mse"),
+    "matrix-products": (MatrixProducts, "ce"),
+    "end-tokens": (EndTokens, "ce"),
     # models others wrote
     "torchvision-vit": (_torchvision_vit, "ce"),
     "torchvision-convnext": (_torchvision_convnext, "ce"),
@@ -621,3 +688,22 @@ def test_the_parts_switch(read, monkeypatch, proofs):
     got = ggnchunk.diag_ggn(model, loss_func, x, y)
     assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
     assert ("slow" in proofs) is not read
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_the_folded_products_switch(read, monkeypatch, proofs):
+    """Weights of the glue's folded ``@`` read off one pass, or one pass per sample."""
+    monkeypatch.setattr(readers, "READ_FOLDED_PRODUCTS", read)
+    model, loss_func, x, y = _problem("matrix-products", 3)
+    got = ggnchunk.diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
+    assert ("slow" in proofs) is not read
+
+
+def test_end_tokens_are_gathered_for_all_columns_at_once():
+    """CLIP's ``x[arange(N), eot]`` is folded: no ``index_put`` once per column."""
+    model, loss_func, x, y = _problem("end-tokens", 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
