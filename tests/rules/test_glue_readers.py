@@ -413,7 +413,8 @@ class MatrixProducts(nn.Module):
 
     A projection of the first token (``x[:, 0] @ proj``, OpenAI CLIP's), of every token
     (``h @ w``, 3-d times 2-d), per-head weights broadcast over the samples
-    (``[N, H, T, D] @ [H, D, E]``), the same read transposed (``.mT``), and
+    (``[N, H, T, D] @ [H, D, E]``), the same read transposed (``.mT``) and square
+    (not folded: torch expands it over the samples, read as a broadcast), and
     ``baddbmm`` of a fixed bias with a weight per position.
     """
 
@@ -422,6 +423,7 @@ class MatrixProducts(nn.Module):
         self.w = nn.Parameter(torch.randn(D, 2 * D) * 0.4)
         self.heads = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
         self.heads_t = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
+        self.square = nn.Parameter(torch.randn(2, D // 2, D // 2) * 0.4)
         self.positions = nn.Parameter(torch.randn(T, D, 2 * D) * 0.4)
         self.proj = nn.Parameter(torch.randn(2 * D, 3) * 0.4)
 
@@ -431,6 +433,7 @@ class MatrixProducts(nn.Module):
         split = torch.tanh(h).view(n, t, 2, D // 2).transpose(1, 2)  # [N, 2, T, D/2]
         wide = split @ self.heads  # [N, 2, T, 3D]
         back = torch.tanh(wide) @ self.heads_t.mT  # [N, 2, T, D/2]
+        back = back + torch.tanh(back) @ self.square  # square: torch expands it
         h = h + wide.sum(1)[..., :D] + back.transpose(1, 2).reshape(n, t, D)
         bias = torch.ones(t, n, 2 * D, dtype=x.dtype)
         tokens = torch.baddbmm(bias, torch.tanh(h).transpose(0, 1), self.positions)
