@@ -262,7 +262,7 @@ def main(
     rows: Callable[[int], list[dict]], make_table: Callable[[list[dict], dict], str],
     plot: Callable[[list[dict], Path], None],
 ) -> None:  # fmt: skip
-    """An A/B benchmark's command line: ``[--out DIR] [--repeats K]``, 1 thread.
+    """An A/B benchmark's command line: ``[--out DIR] [--repeats K] [--quick]``, 1 thread.
 
     Runs the rows, then writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into
     ``--out`` (default ``benchmarks/results/NAME`` with ``-`` for ``_``).
@@ -281,12 +281,14 @@ def main(
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=f"benchmarks/results/{name.replace('_', '-')}")
     parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--quick", action="store_true", help="one timed call per path")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    setting = environment(args.repeats)
-    found = rows(args.repeats)
+    repeats = 1 if args.quick else args.repeats
+    setting = environment(repeats)
+    found = rows(repeats)
     record = {"environment": setting, "rows": found}
     table_ = make_table(found, setting)
     write(Path(args.out), name, record, table_, lambda path: plot(found, path))

@@ -1,13 +1,13 @@
 """Glue regions cut at other regions' sources against regions walked to the layers (#21).
 
-``python -m benchmarks.glue_cuts [--out DIR] [--quick]``: in one process at 1 thread,
-alone on the machine. A residual stream is glue that reaches every earlier block: walked
-to the layer outputs, each later region crossed it again, and the attention and norms on
-it, once per region (work growing with depth²). Cut at the regions' sources
-(:data:`ggnchunk._graph.recording.CUT_AT_SOURCES`), vectors wait where another region
-starts and cross it once. Each ``diag_ggn`` call runs with the cuts and without them,
-alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the best of
-three (one with ``--quick``).
+``python -m benchmarks.glue_cuts [--out DIR] [--repeats K] [--quick]``: in one process
+at 1 thread, alone on the machine. A residual stream is glue that reaches every earlier
+block: walked to the layer outputs, each later region crossed it again, and the
+attention and norms on it, once per region (work growing with depth²). Cut at the
+regions' sources (:data:`ggnchunk._graph.recording.CUT_AT_SOURCES`), vectors wait where
+another region starts and cross it once. Each ``diag_ggn`` call runs with the cuts and
+without them, alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then
+the best of three (one with ``--quick``).
 
 Writes ``glue_cuts.json``, ``glue_cuts.md`` and ``glue_cuts.png`` into ``--out``
 (default ``benchmarks/results/glue-cuts``).
@@ -15,7 +15,6 @@ Writes ``glue_cuts.json``, ``glue_cuts.md`` and ``glue_cuts.png`` into ``--out``
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from benchmarks import ab
@@ -165,19 +164,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/glue-cuts")
-    parser.add_argument("--quick", action="store_true", help="one timed call per path")
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    repeats = 1 if args.quick else 3
-    environment = ab.environment(repeats)
-    rows = _rows(repeats)
-    record = {"environment": environment, "rows": rows}
-    table = _table(rows, environment)
-    ab.write(Path(args.out), "glue_cuts", record, table, lambda p: _plot(rows, p))
+    ab.main(argv, __doc__, "glue_cuts", 3, _rows, _table, _plot)
 
 
 if __name__ == "__main__":

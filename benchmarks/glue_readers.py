@@ -1,14 +1,14 @@
 """Glue parameters read per sample off one pass against one pass per sample (issue 21).
 
-``python -m benchmarks.glue_readers [--out DIR] [--quick]``: in one process at 1 thread,
-alone on the machine. Models others wrote, whose parameters are partly used in the glue:
-torchvision's ViT (a class token, a position table, ``nn.MultiheadAttention``'s
-projections), torchvision's ConvNeXt (``LayerNorm2d``, layer scales) and torch's own
-``nn.TransformerEncoder`` (``nn.MultiheadAttention``). Each ``diag_ggn`` call runs with
-the readers (:mod:`ggnchunk._graph.readers`) and without them (the internal switch
-``ggnchunk._graph.checks.READ_PER_SAMPLE``: one backward pass through the glue region per
-sample), alternating: one untimed call each, then the best of three (one with
-``--quick``), at two batch sizes, in one pass and under a budget.
+``python -m benchmarks.glue_readers [--out DIR] [--repeats K] [--quick]``: in one
+process at 1 thread, alone on the machine. Models others wrote, whose parameters are
+partly used in the glue: torchvision's ViT (a class token, a position table,
+``nn.MultiheadAttention``'s projections), torchvision's ConvNeXt (``LayerNorm2d``, layer
+scales) and torch's own ``nn.TransformerEncoder`` (``nn.MultiheadAttention``). Each
+``diag_ggn`` call runs with the readers (:mod:`ggnchunk._graph.readers`) and without
+them (the internal switch ``ggnchunk._graph.checks.READ_PER_SAMPLE``: one backward pass
+through the glue region per sample), alternating: one untimed call each, then the best
+of three (one with ``--quick``), at two batch sizes, in one pass and under a budget.
 
 Writes ``glue_readers.json``, ``glue_readers.md`` and ``glue_readers.png`` into ``--out``
 (default ``benchmarks/results/glue-readers``).
@@ -16,13 +16,11 @@ Writes ``glue_readers.json``, ``glue_readers.md`` and ``glue_readers.png`` into 
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from benchmarks import ab
 
 BATCHES = (8, 32)
 CHUNKINGS = ({}, {"max_memory": "256MiB"})
@@ -183,31 +181,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/glue-readers")
-    parser.add_argument("--quick", action="store_true", help="one timed call per path")
-    args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    repeats = 1 if args.quick else 3
-    environment = {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "torch": torch.__version__, "python": sys.version.split()[0], "commit": commit,
-        "threads": 1, "repeats": repeats,
-    }  # fmt: skip
-    rows = _rows(repeats)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "glue_readers.json").write_text(
-        json.dumps({"environment": environment, "rows": rows}, indent=1)
-    )
-    (out / "glue_readers.md").write_text(_table(rows, environment))
-    _plot(rows, out / "glue_readers.png")
-    print(_table(rows, environment))
+    ab.main(argv, __doc__, "glue_readers", 3, _rows, _table, _plot)
 
 
 if __name__ == "__main__":
