@@ -618,21 +618,25 @@ class ConvRule(LayerRule):
             transient += ctx.x.numel()
         return fixed, per_column, max(transient, BLOCK + reorder + rows)
 
-    def column_bytes(self, ctx, element):
+    @staticmethod
+    def _backprop_columns(ctx: RuleContext) -> int:
+        """Elements per column of the backprop's workspace beyond its vectors."""
         module = ctx.module
-        columns = 0
-        if _native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT:
-            # the native transposed convolution's columns: every kernel offset's map (a
-            # large weight's input-gradient kernel takes twice the maps, counted
-            # already). They are the workspace the bound's margin on maps stands for:
-            # counted once, at their size
-            kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
-            columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
-            columns = math.ceil(columns * kernel / MAPS_MARGIN)
+        if not (_native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT):
+            return 0
+        # the native transposed convolution's columns: every kernel offset's map (a
+        # large weight's input-gradient kernel takes twice the maps, counted already).
+        # They are the workspace the bound's margin on maps stands for: counted once,
+        # at their size
+        kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
+        columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
+        return math.ceil(columns * kernel / MAPS_MARGIN)
+
+    def column_bytes(self, ctx, element):
         # the products, then the backprop (its vectors counted by the sweep's bound at
         # the layer): one after the other
         products = 2 * math.prod(ctx.out_shape) + self._sizes(ctx)[1]
-        return max(products, columns) * element
+        return max(products, self._backprop_columns(ctx)) * element
 
     def fixed_bytes(self, ctx, element):
         return self._sizes(ctx)[0] * element
@@ -641,9 +645,12 @@ class ConvRule(LayerRule):
         return self._sizes(ctx)[2] * element
 
     def backprop_bytes(self, ctx, element):
+        # no products (a weight's worth per column where the direct form runs): the
+        # backprop's copies of the vectors, or the native kernel's columns
         weight = ctx.module.weight.numel()
         reorder = 2 * weight if weight <= SMALL_WEIGHT else 0
-        return self.column_bytes(ctx, element), 0, reorder * element
+        column = max(2 * math.prod(ctx.out_shape), self._backprop_columns(ctx))
+        return column * element, 0, reorder * element
 
 
 class ConvTransposeRule(LayerRule):

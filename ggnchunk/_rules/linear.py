@@ -117,5 +117,5 @@ class LinearRule(LayerRule):
             return 0
         return BLOCK * element  # samples batched in the direct form (also when lean)
 
-    def backprop_bytes(self, ctx, element):  # one product with the weight
-        return self.column_bytes(ctx, element), 0, 0
+    def backprop_bytes(self, ctx, element):  # one product with the weight, no products
+        return 2 * math.prod(ctx.out_shape) * element, 0, 0
