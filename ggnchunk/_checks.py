@@ -123,7 +123,8 @@ class Batch:
         _map_tensors((self.args, self.kwargs), found.append)
         return found
 
-    def _batched(self, tensor: Tensor) -> bool:
+    def batched(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is per-sample (axis 0 has the batch size)."""
         return tensor.dim() > 0 and tensor.shape[0] == self.size
 
     def slice(self, start: int, stop: int) -> Batch:
@@ -138,7 +139,7 @@ class Batch:
         """
         part = Batch.__new__(Batch)
         part.size = stop - start
-        cut = lambda t: t[start:stop] if self._batched(t) else t  # noqa: E731
+        cut = lambda t: t[start:stop] if self.batched(t) else t  # noqa: E731
         part.args = _map_tensors(self.args, cut)
         part.kwargs = _map_tensors(self.kwargs, cut)
         return part
@@ -190,7 +191,7 @@ def check_batch(
             f"targets has shape {tuple(targets.shape)} but inputs has batch size "
             f"{inputs.shape[0]}; pass one target per sample, batch on axis 0."
         )
-    if not any(batch._batched(t) for t in tensors):
+    if not any(batch.batched(t) for t in tensors):
         shapes = [tuple(t.shape) for t in tensors]
         raise ValueError(
             f"targets has batch size {batch.size} but no input tensor has it on axis 0 "

@@ -379,7 +379,8 @@ class GGNComputation:
                 changed in place, or samples influence each other.
         """
         problem = self._problem
-        with torch.enable_grad(), folded_glue():  # attention, resizes crossed batched
+        batch = [t for t in self._batch.tensors() if self._batch.batched(t)]
+        with torch.enable_grad(), folded_glue(batch):  # attention, resizes batched
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ggnchunk._attention import (
     SDPA,
@@ -40,9 +41,60 @@ from ggnchunk._attention import (
 from ggnchunk._glue_kernels import FOLDERS, fold_glue_call, glue_kernel_workspace
 from ggnchunk._resample import INTERPOLATE, fold_interpolate, resample_workspace
 
-__all__ = ["folded_glue", "glue_workspace", "layer_entered", "layer_left"]
+__all__ = ["folded_glue", "from_batch", "glue_workspace", "layer_entered", "layer_left"]
 
 _DEPTH = threading.local()  # layers with a rule this thread's forward is inside
+_TAGS = (
+    threading.local()
+)  # ``store``: the tensors this thread's forward made from the batch
+
+
+def from_batch(x: torch.Tensor) -> bool | None:
+    """Whether this thread's forward made ``x`` from the batch's tensors.
+
+    A layer called on a tensor whose axis 0 has the batch size by chance (T5's relative
+    position bias looked up for ``[q, k]`` positions where ``q == N``, a position
+    embedding of ``arange(L)`` with ``L == N``, a Perceiver's learned latents) is no
+    per-sample call; only a tensor made from the inputs can be one. Every call the
+    forward makes passes its tag on (in-place ones to the tensor they change); a call
+    the tags miss leaves the layer to the glue, which is exact either way.
+
+    Args:
+        x: A tensor of the forward pass.
+
+    Returns:
+        Whether it was made from the batch, or ``None`` where no forward is tracked.
+    """
+    store = getattr(_TAGS, "store", None)
+    return None if store is None else x in store
+
+
+def _tagged(store: WeakIdKeyDictionary, values: Any) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value in store:
+                return True
+        elif isinstance(value, (list, tuple)) and any(
+            isinstance(v, torch.Tensor) and v in store for v in value
+        ):
+            return True
+    return False
+
+
+def _tag(store: WeakIdKeyDictionary, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        store[value] = True
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                store[item] = True
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (
+        name.endswith("_") and not name.endswith("__")
+    ) or (name.startswith("__i") and name.endswith("__"))  # fmt: skip
 
 
 def layer_entered() -> None:
@@ -71,8 +123,23 @@ def glue_workspace(node: Any) -> int:
 
 
 class _Folding(TorchFunctionMode):
+    def __init__(self, store: WeakIdKeyDictionary | None = None) -> None:
+        super().__init__()
+        self.store = store  # the batch's tensors and those made from them (tracked)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = self._call(func, args, kwargs)
+        store = self.store
+        if store is not None and (_tagged(store, args) or _tagged(store, kwargs.values())):
+            _tag(store, result)
+            if _in_place(func) and args:
+                _tag(store, args[0])
+            if "out" in kwargs:
+                _tag(store, kwargs["out"])
+        return result
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func is SDPA:
             folded = fold_attention(args, kwargs)
             if folded is not None:
@@ -139,16 +206,27 @@ def _last_axis(args: tuple, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
-def folded_glue() -> Iterator[None]:
+def folded_glue(batch: Iterable[torch.Tensor] | None = None) -> Iterator[None]:
     """Route this thread's foldable glue calls through their folded forms (one forward).
+
+    Args:
+        batch: The batch's per-sample tensors: the tensors made from them are tracked
+            (:func:`from_batch`); ``None`` tracks nothing.
 
     Yields:
         Nothing.
     """
     previous = getattr(_DEPTH, "value", 0)
+    previous_store = getattr(_TAGS, "store", None)
+    store = None
+    if batch is not None:
+        store = WeakIdKeyDictionary()
+        _tag(store, list(batch))
     _DEPTH.value = 0  # a forward that raised inside a layer left its count behind
+    _TAGS.store = store
     try:
-        with _Folding():
+        with _Folding(store):
             yield
     finally:
         _DEPTH.value = previous
+        _TAGS.store = previous_store

@@ -27,7 +27,7 @@ from ggnchunk._autograd import (
     grad_shape,
     output_count,
 )
-from ggnchunk._folding import glue_workspace, layer_entered, layer_left
+from ggnchunk._folding import from_batch, glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
 from ggnchunk._graph.parts import Call, _display, _Source
@@ -142,9 +142,14 @@ class Recording(Sweeps, MemoryBound, Checks):
         else:
             stack.append(None)
             return None
-        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch:
+        if (
+            not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch
+            or from_batch(x) is False
+        ):  # fmt: skip
             # not a per-sample call (a BatchNorm1d on tokens flattened into the batch
-            # axis, as timm's LeViT): the glue handles it, its inner calls folded
+            # axis, as timm's LeViT; a tensor not made from the batch whose axis 0 has
+            # its size by chance, as T5's position bias with N queries): the glue
+            # handles it, its inner calls folded
             stack.append(None)
             return None
         layer_entered()  # its inner calls are the rule's, not glue to fold

@@ -308,3 +308,75 @@ def test_every_node_of_the_recorded_graph_is_kept_alive():
         assert glue <= names, names
     expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
     assert_diag_close(ggnchunk.diag_ggn(model, nn.MSELoss(), x, y), expected, rtol=1e-9)
+
+
+class _PositionEmbedding(nn.Module):
+    """An ``nn.Embedding`` of ``arange(L)`` added to every sample (no batch axis)."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+        self.pos = nn.Embedding(length, 4)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):  # [N, L, 4]
+        return self.lin(torch.tanh(x + self.pos(torch.arange(self.length)))).flatten(1)
+
+
+class _Latents(nn.Module):
+    """A Perceiver's learned latents ``[M, D]`` projected by a layer, then attended."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(length, 4))
+        self.to_q, self.to_k, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # [N, 5, 4]
+        q = self.to_q(self.latents)
+        att = torch.einsum("md,ntd->nmt", q, self.to_k(x)).softmax(-1)
+        return self.out(att @ x).flatten(1)
+
+
+class _RelativeBias(nn.Module):
+    """T5's relative position bias: an embedding of ``[q, k]`` buckets, per head."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+        self.bias = nn.Embedding(2 * length - 1, 2)
+        self.v, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # [N, L, 4]
+        position = torch.arange(self.length)
+        buckets = position[None, :] - position[:, None] + self.length - 1
+        scores = self.bias(buckets).permute(2, 0, 1)  # [2, q, k]: no batch axis
+        mixed = (scores.softmax(-1)[None] @ self.v(x)[:, None]).sum(1)
+        return self.out(mixed).flatten(1)
+
+
+BATCH_FREE = {
+    "position-embedding": (_PositionEmbedding, lambda n, m: torch.randn(n, m, 4)),
+    "perceiver-latents": (_Latents, lambda n, m: torch.randn(n, 5, 4)),
+    "t5-relative-bias": (_RelativeBias, lambda n, m: torch.randn(n, m, 4)),
+}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 2}, {"batch_chunk_size": 2}])
+@pytest.mark.parametrize(("n", "length"), [(3, 3), (2, 2), (3, 2), (1, 1)])
+@pytest.mark.parametrize("name", BATCH_FREE)
+def test_layers_on_tensors_without_the_batch(name, n, length, kwargs):
+    """A layer whose input is not made from the batch is no per-sample call.
+
+    Also where its axis 0 has the batch size by chance (``L == N``, or the sub-batch's
+    size): it was recorded as one, and its output, the same for every sample, was
+    refused as samples influencing each other (T5's position bias with as many
+    queries as samples; found by a sweep of transformers' models).
+    """
+    torch.manual_seed(0)
+    build, inputs = BATCH_FREE[name]
+    model = build(length).double().eval()
+    x = inputs(n, length).double()
+    y = torch.randn_like(model(x))
+    loss_func = nn.MSELoss()
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-9)
