@@ -464,7 +464,37 @@ def depth_head_f64(scale: int = 1) -> Problem:
     return _DepthHead().double(), nn.MSELoss(), x, target
 
 
+class _FrozenWide(nn.Module):
+    """A trainable stem, two frozen 512-channel 3×3 convolutions, a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 512, 3, padding=1)
+        self.frozen = nn.Sequential(*[nn.Conv2d(512, 512, 3, padding=1) for _ in range(2)])
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(512, 256)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        for conv in self.frozen:
+            h = torch.relu(conv(h))
+        return self.head(h.mean((2, 3)))
+
+
+def frozen_wide_convs(scale: int = 1) -> Problem:
+    """:class:`_FrozenWide` on ``[8, 3, 2, 2]``, MSE to 256 outputs (a budget test).
+
+    The frozen convolutions' backprop of few columns runs as one product with the
+    weight into the patches' gradients (``n · P · Cin · 9`` elements per column), which
+    a frozen layer's bound must count: a warm call at 24 MiB peaked at 28.9 MiB while
+    the bound counted products a frozen layer never makes in their place.
+    """
+    x = torch.randn(8 * scale, 3, 2, 2)
+    return _FrozenWide().eval(), nn.MSELoss(), x, torch.randn(8 * scale, 256)
+
+
 PROBLEMS.update(
+    frozen_wide_convs=frozen_wide_convs,
     attention_sr=attention_sr,
     depth_head_f64=depth_head_f64,
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,

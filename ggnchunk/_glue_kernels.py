@@ -1285,6 +1285,7 @@ def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
         return None
     if not _foldable(x) or x.dim() <= axis or index.requires_grad or index.is_nested:
         return None
+    index = index.clone()  # as the call read it (see :func:`_points`)
     return _on(_Rows(Tensor.__getitem__, {"index": index, "axis": axis}), x)
 
 
@@ -1314,7 +1315,10 @@ def _points(x: Any, index: Any) -> _Spec | None:
         torch.broadcast_shapes(*(t.shape for t in tensors))
     except RuntimeError:
         return None
-    return _on(_Points(Tensor.__getitem__, {"index": tuple(tensors)}), x)
+    # the indices as the call read them: the backward runs later, and one changed in
+    # place by then would put the columns elsewhere (torch's own node refuses it)
+    index = tuple(t.clone() for t in tensors)
+    return _on(_Points(Tensor.__getitem__, {"index": index}), x)
 
 
 def _index_axis(entries: tuple, rank: int) -> tuple[int, Any]:

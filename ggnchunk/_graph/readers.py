@@ -739,6 +739,13 @@ def read_behind(
     """
     nxt, number = node.next_functions[position]
     behind = param_behind(nxt)
+    if node.name() in _SCALES and _factor(node) is not None:
+        # a parameter (or a part) times a number, walked into: a reader that follows
+        # the product to the parameter (:func:`part_behind`) may read it on another
+        # path, whose gradient this node's output holds too; one pass per sample
+        found = behind if behind is not None else part_behind(nxt, number)
+        if found is not None and known(found[0]):
+            return found[0], None
     if behind is not None and known(behind[0]):
         reader = read_by(node, position, *behind)
         if reader is None and behind[2]:  # ``W.T`` read by another than a product

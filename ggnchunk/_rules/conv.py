@@ -646,10 +646,17 @@ class ConvRule(LayerRule):
 
     def backprop_bytes(self, ctx, element):
         # no products (a weight's worth per column where the direct form runs): the
-        # backprop's copies of the vectors, or the native kernel's columns
-        weight = ctx.module.weight.numel()
+        # backprop's copies of the vectors, the patches' gradients of few vectors (and
+        # their copy for ``F.fold``), or the native kernel's columns; padded with
+        # values, the input gradient on the padded map before the pad's backward
+        module, x = ctx.module, ctx.x
+        weight = module.weight.numel()
         reorder = 2 * weight if weight <= SMALL_WEIGHT else 0
-        column = max(2 * math.prod(ctx.out_shape), self._backprop_columns(ctx))
+        n, positions = ctx.out_shape[0], math.prod(ctx.out_shape[2:])
+        patches = 2 * n * positions * (weight // module.out_channels) * module.groups
+        column = max(2 * math.prod(ctx.out_shape), patches, self._backprop_columns(ctx))
+        if module.padding_mode != "zeros" or module.padding == "same":
+            column += 2 * x.numel()
         return column * element, 0, reorder * element
 
 

@@ -866,3 +866,43 @@ def test_a_layer_called_on_more_rows_than_samples_is_glue_with_folded_calls(kwar
         got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y, **kwargs)
     expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
     assert_diag_close(got, expected, rtol=1e-10)
+
+
+class _IndexChangedInPlace(nn.Module):
+    """Gathers whose index tensors the forward changes in place after them.
+
+    ``h[:, pos]`` (rows of one axis) and ``h[arange(N), ids]`` (points), then
+    ``pos += 1`` and ``ids += 1`` before the next step's gathers: torch's own nodes
+    refuse to backpropagate (their saved indices changed); the folded ones keep the
+    indices as the calls read them. With ``clone`` the model reads copies instead:
+    the same function, for the brute force.
+    """
+
+    def __init__(self, clone: bool):
+        super().__init__()
+        self.clone = clone
+        self.lin, self.head = nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x, ids):
+        h = torch.tanh(self.lin(x))  # [N, T, 6]
+        rows, points = torch.tensor([0, 2, 1]), ids.clone()
+        first = h[:, rows.clone() if self.clone else rows].sum(1)
+        first = (
+            first + h[torch.arange(h.shape[0]), points.clone() if self.clone else points]
+        )
+        rows += 1
+        points += 1
+        return self.head(first + h[:, rows].sum(1) + h[torch.arange(h.shape[0]), points])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_chunks": 2}, {"batch_chunk_size": 2}])
+def test_gathers_keep_their_indices_as_the_calls_read_them(kwargs):
+    torch.manual_seed(0)
+    changed, copied = _IndexChangedInPlace(False).double(), _IndexChangedInPlace(True)
+    copied = copied.double()
+    copied.load_state_dict(changed.state_dict())
+    x, ids = torch.randn(4, 5, 3, dtype=torch.float64), torch.tensor([3, 0, 2, 1])
+    y, loss_func = torch.randn(4, 2, dtype=torch.float64), nn.MSELoss()
+    got = ggnchunk.diag_ggn(changed, loss_func, (x, ids), y, **kwargs)
+    expected = reference_diag_ggn(copied, loss_func, (x, ids), y)
+    assert_diag_close(got, expected, rtol=1e-9)

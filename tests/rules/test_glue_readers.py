@@ -710,3 +710,34 @@ def test_end_tokens_are_gathered_for_all_columns_at_once():
         warnings.simplefilter("error", ggnchunk.SlowBackwardWarning)
         got = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=2)
     assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
+
+
+class _ScaledTwice(nn.Module):
+    """A parameter times a number, read by a product and by a call that reads nothing.
+
+    ``s = 0.5 * w``; ``x @ s.T`` follows the product to ``w`` (a reader), and
+    ``tanh(s)`` walks into the product with the number, whose gradient holds both
+    paths: reading ``w`` there too counted the first path twice (a review found it).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, D))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):  # [N, D]
+        s = 0.5 * self.w
+        return self.head(torch.tanh(x @ s.T + torch.tanh(s).sum(1)))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"batch_chunk_size": 1}, {"per_sample": True}])
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_scaled_parameter_read_on_two_paths(n, kwargs):
+    torch.manual_seed(0)
+    model = _ScaledTwice().double()
+    x, y = torch.randn(n, D, dtype=torch.float64), torch.randn(n, 2, dtype=torch.float64)
+    loss_func = nn.MSELoss(reduction="sum")
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, **kwargs)
+    if kwargs.get("per_sample"):
+        got = {k: v.sum(0) for k, v in got.items()}
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
