@@ -551,6 +551,15 @@ def _grad(
             is_grads_batched=batched,
         )
     except RuntimeError as error:
+        if _CHANGED_IN_PLACE in str(error):
+            raise ValueError(
+                "the model's forward changed a tensor in place after an operation had "
+                "saved it for the backward pass, so no gradient of the output can be "
+                f"taken (torch: {str(error).split('. Hint')[0]}); loss.backward() fails "
+                "on it as well. Change a copy instead (t = t.clone() before the in-place "
+                "operation), or use the operation that returns a new tensor (t = t + 1 "
+                "instead of t += 1)."
+            ) from error
         if _CUDNN_RNN_EVAL not in str(error):
             raise
         raise ValueError(
@@ -564,6 +573,8 @@ def _grad(
 
 # torch's check in cuDNN's recurrent backward (aten/src/ATen/native/cudnn/RNN.cpp)
 _CUDNN_RNN_EVAL = "cudnn RNN backward can only be called in training mode"
+# torch's check of a saved tensor's version (torch/csrc/autograd/saved_variable.cpp)
+_CHANGED_IN_PLACE = "modified by an inplace operation"
 
 
 def plain_grad(

@@ -198,3 +198,25 @@ def test_another_thread_calling_the_model_during_a_call_changes_nothing():
     assert raced, "the race did not happen"
     expected = reference_diag_ggn(model, nn.MSELoss(), X, targets)
     assert_diag_close(actual, expected, rtol=1e-10, label="racing thread")
+
+
+class _ChangedAfterSaved(nn.Module):
+    """A 0-d scale that the forward changes in place after a product saved it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        scale = torch.tensor(2.0, dtype=x.dtype)
+        h = x + self.w * scale
+        scale += 1  # autograd's saved value of ``scale`` is now stale
+        return self.lin(h)
+
+
+def test_a_tensor_changed_in_place_after_it_was_saved_is_named():
+    """The version check of torch (``loss.backward()`` raises it too) says the fix."""
+    model = _ChangedAfterSaved().double()
+    with pytest.raises(ValueError, match=r"changed a tensor in place .*t = t.clone\(\)"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=torch.float64))
