@@ -419,6 +419,19 @@ class _Product(_Several):
         a, b = (None if t is None else t.detach() for t in saved)
         *first, a_shape, b_shape = shapes
         *first_needs, need_a, need_b = needs
+        if len(b_shape) == 1:  # ``a @ v``: a matrix of one column, the output squeezed
+            grads = grads.unsqueeze(-1)
+            b = None if b is None else b.unsqueeze(-1)
+            da = db = None
+            if need_a:
+                da = _columns_summed_to(
+                    _scaled(_times_transposed(grads, b), self.alpha), a_shape
+                )
+            if need_b:
+                db = _columns_summed_to(
+                    _scaled(_transposed_times(a, grads), self.alpha), (*b_shape, 1)
+                ).squeeze(-1)
+            return (da, db)
         results: list[Tensor | None] = []
         if self.added:
             results.append(
@@ -1240,10 +1253,13 @@ def _product(func: Callable[..., Any]) -> Callable[[tuple, dict], _Product | Non
             return None
         if not all(_plain(t) for t in tensors) or len({t.dtype for t in tensors}) != 1:
             return None
-        if a.dim() < 2 or b.dim() < 2 or not (_foldable(a) or _foldable(b)):
+        vector = b.dim() == 1 and not added  # ``h @ v``: torch loops ``ger`` per column
+        if a.dim() < 2 or (b.dim() < 2 and not vector):
             return None
-        sides = (a.shape[-2], a.shape[-1], b.shape[-1])
-        if max(sides) < 2 * min(sides):
+        if not (_foldable(a) or _foldable(b)):
+            return None
+        sides = (a.shape[-2], a.shape[-1], 1 if vector else b.shape[-1])
+        if max(sides) < 2 * min(sides) and not vector:
             # no [L, S] map beside a thin side (square products: a GPT-2-style model
             # with 16 tokens of width 16 measured 0.92-0.97x folded): torch's batching
             # copies no more than the folded products here

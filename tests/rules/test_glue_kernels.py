@@ -556,6 +556,23 @@ def _baddbmm_attention():
     return BaddbmmAttention().double(), x, nn.MSELoss(), torch.randn(2, 3, 5, 4).double()
 
 
+class VectorHead(nn.Module):
+    """Scores as ``h @ v`` with a vector parameter (a value head, an attention pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.v = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):  # [N, T, 4] -> [N, T]
+        return torch.tanh(self.lin(x)) @ self.v
+
+
+def _vector_head():
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    return VectorHead().double(), x, nn.MSELoss(), torch.randn(3, 5).double()
+
+
 class _TokenNLL(nn.Module):
     """Per-token negative log-likelihood of log-probabilities ``[N, T, V]``."""
 
@@ -573,6 +590,7 @@ MODELS = {
     "multihead-attention-weights": _mh_attention,
     "baddbmm-attention": _baddbmm_attention,
     "scalar-gates": _scalar_gates,
+    "vector-head": _vector_head,
     "convnext-style": _convnext_style,
     "cyclegan-style": _cyclegan_style,
 }
@@ -626,6 +644,9 @@ PRODUCTS = {
     "matmul-matrix-left": ((4, 2), (2, 3, 2, 6), Tensor.matmul),
     "matmul-matrices": ((4, 2), (2, 6), lambda a, b: a @ b),
     "matmul-3d-4d": ((3, 8, 2), (2, 3, 2, 9), lambda a, b: a @ b),
+    # a vector on the right (torch's batching looped ``ger`` per column)
+    "matmul-vector-right": ((2, 3, 4, 5), (5,), lambda a, b: a @ b),
+    "matmul-matrix-vector": ((4, 3), (3,), torch.matmul),
     "baddbmm-scaled": ((3, 4, 2), (3, 2, 6),
                        lambda a, b: torch.baddbmm(FIXED, a, b, alpha=0.3, beta=2)),
     "baddbmm-broadcast-input": ((3, 4, 2), (3, 2, 6),
@@ -686,7 +707,7 @@ def test_folded_products_with_a_scalar_match_autograd(name, needs):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda a, b: a @ b[0, :, 0],  # a vector operand
+        lambda a, b: b[0, :, 0] @ b[0],  # a vector on the left
         lambda a, b: b[..., :2] @ b[..., :2].mT,  # square: no map beside a thin side
         lambda a, b: torch.baddbmm(a[..., :1], a, b),  # a bias that needs grad
         lambda a, b: torch.matmul(a, b.detach()).detach(),  # nothing needs grad
@@ -696,7 +717,7 @@ def test_folded_products_with_a_scalar_match_autograd(name, needs):
     ],
 )
 def test_products_torch_keeps(call):
-    """Vectors, a ``baddbmm`` bias or a divisor map that needs grad: torch's node."""
+    """A vector on the left, a ``baddbmm`` bias or a divisor map needing grad: torch's."""
     a = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
     with folded_glue():
