@@ -199,6 +199,7 @@ class Product:
     alpha: float = 1.0
     pairs: Tensor | None = None  # ``[R]``: the weight of each output row (``None``: one)
     count: int = 1  # how many weights (``pairs``' values are ``0 .. count - 1``)
+    vector: bool = False  # a vector ``[I]`` on the right (``h @ v``): one output column
 
     def _keys(self, rows: int, width: int, stride: int, samples: int) -> Tensor:
         """Each row's sample times ``count`` plus its weight."""
@@ -208,6 +209,8 @@ class Product:
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
         """Whether the samples group whole rows at this stride (alike for each weight)."""
+        if self.vector:
+            out = torch.Size((*out, 1))
         if stride % out[-1]:
             return False
         if self.pairs is None:
@@ -229,6 +232,8 @@ class Product:
         Returns:
             ``[V, N, *param]``.
         """
+        if self.vector:
+            grads = grads.unsqueeze(-1)
         v, width = grads.shape[0], grads.shape[-1]
         rows = self.rows()
         rows = rows.reshape(-1, rows.shape[-1]).to(grads.dtype)
@@ -867,7 +872,16 @@ def _pairs_product(
     (matched from the right), so each output row uses the weight at its broadcast index.
     """
     rows = rows_of()
-    if not isinstance(rows, Tensor) or rows.is_complex() or len(shape) < 2:
+    if not isinstance(rows, Tensor) or rows.is_complex() or rows.dim() < 2:
+        return None
+    if len(shape) == 1 and not transposed:  # ``h @ v``: ``v`` as one column
+        if shape[0] != rows.shape[-1] or tuple(out) != tuple(rows.shape[:-1]):
+            return None
+        return Product(
+            GradientEdge(node, 0), rows_of, variable.shape, variable.dtype, False,
+            float(alpha), vector=True,
+        )  # fmt: skip
+    if len(shape) < 2:
         return None
     if len(out) < 2 or tuple(shape[-2:]) != (rows.shape[-1], out[-1]):
         return None  # ``shape`` is the right factor as read: ``[*B, I, O]``

@@ -414,8 +414,9 @@ class MatrixProducts(nn.Module):
     A projection of the first token (``x[:, 0] @ proj``, OpenAI CLIP's), of every token
     (``h @ w``, 3-d times 2-d), per-head weights broadcast over the samples
     (``[N, H, T, D] @ [H, D, E]``), the same read transposed (``.mT``) and square
-    (not folded: torch expands it over the samples, read as a broadcast), and
-    ``baddbmm`` of a fixed bias with a weight per position.
+    (not folded: torch expands it over the samples, read as a broadcast), vectors on
+    the right (``h @ v``, and a part of one as a column), and ``baddbmm`` of a fixed
+    bias with a weight per position.
     """
 
     def __init__(self):
@@ -424,6 +425,8 @@ class MatrixProducts(nn.Module):
         self.heads = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
         self.heads_t = nn.Parameter(torch.randn(2, D // 2, 3 * D) * 0.4)
         self.square = nn.Parameter(torch.randn(2, D // 2, D // 2) * 0.4)
+        self.vec = nn.Parameter(torch.randn(D))
+        self.vecs = nn.Parameter(torch.randn(2 * D))
         self.positions = nn.Parameter(torch.randn(T, D, 2 * D) * 0.4)
         self.proj = nn.Parameter(torch.randn(2 * D, 3) * 0.4)
 
@@ -435,6 +438,8 @@ class MatrixProducts(nn.Module):
         back = torch.tanh(wide) @ self.heads_t.mT  # [N, 2, T, D/2]
         back = back + torch.tanh(back) @ self.square  # square: torch expands it
         h = h + wide.sum(1)[..., :D] + back.transpose(1, 2).reshape(n, t, D)
+        pooled = (torch.tanh(h) @ self.vec)[..., None] + torch.tanh(h) @ self.vecs[D:, None]
+        h = h + pooled  # a vector on the right, and a part of one as a column
         bias = torch.ones(t, n, 2 * D, dtype=x.dtype)
         tokens = torch.baddbmm(bias, torch.tanh(h).transpose(0, 1), self.positions)
         return torch.tanh(tokens.transpose(0, 1))[:, 0] @ self.proj
