@@ -2,12 +2,13 @@
 
 ``python -m benchmarks.matmul_readers [--out DIR] [--repeats K]``: in one process at 1
 thread, alone on the machine. A parameter that the glue multiplies with ``@``,
-``matmul``, ``bmm`` or ``baddbmm`` (a tied vocabulary head ``x @ embedding.weight.T``
-as Whisper and GPT-2 write it, CLIP's ``x[eot] @ text_projection``, per-head weights
-``[N, H, T, D] @ [H, D, E]``) is folded over the columns by the glue's kernels; its
-products were then taken with one backward pass per sample through its glue region.
-Now they are read off one pass (:class:`ggnchunk._graph.readers.Product` on the folded
-node, each output row with the weight it uses; the internal switch
+``matmul``, ``bmm`` or ``baddbmm`` (a tied vocabulary head ``x @ embedding.weight.T`` as
+Whisper and GPT-2 write it, CLIP's ``x[eot] @ text_projection``, per-head weights
+``[N, H, T, D] @ [H, D, E]``, a value head ``h @ v``) is folded over the columns by the
+glue's kernels; its products were then taken with one backward pass per sample through
+its glue region. Now they are read off one pass
+(:class:`ggnchunk._graph.readers.Product` on the folded node, each output row with the
+weight it uses; the internal switch
 ``ggnchunk._graph.readers.READ_FOLDED_PRODUCTS``). Each ``diag_ggn`` call runs with and
 without, alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the
 best of ``--repeats`` (default 1).
@@ -97,12 +98,34 @@ def _heads(n: int) -> tuple:
     )
 
 
+def _value_head(n: int) -> tuple:
+    """Per-token values ``h @ v`` with a vector ``v`` (a value head, an attention pool).
+
+    Tokens ``[N, 16, 64]`` through a ``nn.Linear`` and ``tanh``, then each token's
+    score ``h @ v`` (``v`` of 64), regressed to a target per token (MSE).
+    """
+    import torch
+    from torch import nn
+
+    class Values(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(WIDTH, WIDTH)
+            self.v = nn.Parameter(torch.randn(WIDTH) * WIDTH**-0.5)
+
+        def forward(self, x):
+            return torch.tanh(self.inp(x)) @ self.v  # [N, 16]
+
+    return Values().eval(), nn.MSELoss(), torch.randn(n, 16, WIDTH), torch.randn(n, 16)
+
+
 CASES = [
     # (name, title, builder, batch, chunking)
     ("tied", "Whisper-style decoder, tied head x @ E.T", _decoder, 8, {"num_chunks": 4}),
     ("tied", "Whisper-style decoder, tied head x @ E.T", _decoder, 32, {"num_chunks": 4}),
     ("clip", "CLIP-style text tower, x[eot] @ text_projection", _clip_text, 32, {}),
     ("heads", "per-head weights, [N, H, T, D] @ [H, D, E]", _heads, 32, {}),
+    ("vector", "value head, h @ v", _value_head, 32, {}),
 ]  # fmt: skip
 
 
