@@ -569,7 +569,7 @@ def test_frozen_layers_count_no_products_per_column():
 
     The partly frozen ResNet-18 counted ``o · k`` elements per column for every frozen
     convolution of ``layer3`` (2.3 MiB each: 3.6 MiB per column in all, 1.7 without),
-    so a 25 MiB budget planned 41 passes in a first call where 31 hold.
+    so a 25 MiB budget planned 41 passes in a first call where 27 hold.
     """
     torch.manual_seed(0)
     model = _FrozenMiddle().double().eval()
