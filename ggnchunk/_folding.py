@@ -44,9 +44,8 @@ from ggnchunk._resample import INTERPOLATE, fold_interpolate, resample_workspace
 __all__ = ["folded_glue", "from_batch", "glue_workspace", "layer_entered", "layer_left"]
 
 _DEPTH = threading.local()  # layers with a rule this thread's forward is inside
-_TAGS = (
-    threading.local()
-)  # ``store``: the tensors this thread's forward made from the batch
+# ``store``: the tensors this thread's forward made from the batch (tracked)
+_TAGS = threading.local()
 
 
 def from_batch(x: torch.Tensor) -> bool | None:

@@ -419,19 +419,10 @@ class _Product(_Several):
         a, b = (None if t is None else t.detach() for t in saved)
         *first, a_shape, b_shape = shapes
         *first_needs, need_a, need_b = needs
-        if len(b_shape) == 1:  # ``a @ v``: a matrix of one column, the output squeezed
-            grads = grads.unsqueeze(-1)
+        vector = len(b_shape) == 1  # ``a @ v``: ``v`` as one column, the output squeezed
+        if vector:
+            grads, b_shape = grads.unsqueeze(-1), (*b_shape, 1)
             b = None if b is None else b.unsqueeze(-1)
-            da = db = None
-            if need_a:
-                da = _columns_summed_to(
-                    _scaled(_times_transposed(grads, b), self.alpha), a_shape
-                )
-            if need_b:
-                db = _columns_summed_to(
-                    _scaled(_transposed_times(a, grads), self.alpha), (*b_shape, 1)
-                ).squeeze(-1)
-            return (da, db)
         results: list[Tensor | None] = []
         if self.added:
             results.append(
@@ -448,6 +439,7 @@ class _Product(_Several):
             db = _columns_summed_to(
                 _scaled(_transposed_times(a, grads), self.alpha), b_shape
             )
+            db = db.squeeze(-1) if vector else db
         return (*results, da, db)
 
 
@@ -661,10 +653,9 @@ class _Points(_Spec):
     def transposed(self, ctx, grads, saved):
         shape, index = ctx.in_shape, self.args["index"]
         lead, rest = shape[: len(index)], shape[len(index) :]
-        linear: Tensor | int = 0
+        linear = torch.zeros((), dtype=torch.int64, device=grads.device)
         for entry, size in zip(index, lead, strict=True):
             linear = linear * size + entry.to(device=grads.device, dtype=torch.int64) % size
-        assert isinstance(linear, Tensor)
         count = grads.shape[0]
         source = grads.reshape(count, linear.numel(), *rest)
         result = grads.new_zeros(count, math.prod(lead), *rest)

@@ -201,11 +201,12 @@ class Product:
     count: int = 1  # how many weights (``pairs``' values are ``0 .. count - 1``)
     vector: bool = False  # a vector ``[I]`` on the right (``h @ v``): one output column
 
-    def _keys(self, rows: int, width: int, stride: int, samples: int) -> Tensor:
-        """Each row's sample times ``count`` plus its weight."""
-        assert self.pairs is not None
+    def _keys(
+        self, pairs: Tensor, rows: int, width: int, stride: int, samples: int
+    ) -> Tensor:  # fmt: skip
+        """Each row's sample times ``count`` plus its weight (``pairs``)."""
         sample = torch.arange(rows).mul_(width).div_(stride, rounding_mode="floor")
-        return sample.remainder_(samples).mul_(self.count).add_(self.pairs)
+        return sample.remainder_(samples).mul_(self.count).add_(pairs)
 
     def fits(self, out: torch.Size, stride: int, samples: int) -> bool:
         """Whether the samples group whole rows at this stride (alike for each weight)."""
@@ -217,7 +218,8 @@ class Product:
             return True
         rows = out.numel() // out[-1]
         counts = torch.bincount(
-            self._keys(rows, out[-1], stride, samples), minlength=samples * self.count
+            self._keys(self.pairs, rows, out[-1], stride, samples),
+            minlength=samples * self.count,
         )
         return bool((counts == counts[0]).all()) and int(counts[0]) > 0
 
@@ -243,7 +245,7 @@ class Product:
             inputs = rows.reshape(-1, samples, per_row, rows.shape[-1])
             spec = "vanqo,anqi->vnoi" if self.transposed else "vanqo,anqi->vnio"
         else:  # each sample's rows of each weight together, in equal numbers
-            keys = self._keys(rows.shape[0], width, stride, samples)
+            keys = self._keys(self.pairs, rows.shape[0], width, stride, samples)
             order = torch.argsort(keys, stable=True).to(grads.device)
             grouped = grads.reshape(v, -1, width)[:, order]
             grouped = grouped.view(v, samples, self.count, -1, width)
@@ -578,8 +580,7 @@ def _factor(node: Node) -> float | None:
     if name.startswith("Div"):  # ``w / c`` only (``c / w`` is not linear in ``w``)
         c = _number(saved_value(node, "other")) if taken == [0] else None
         return None if c is None or c == 0.0 else 1.0 / c
-    c = _number(saved_value(node, "other" if taken == [0] else "self"))
-    return c
+    return _number(saved_value(node, "other" if taken == [0] else "self"))
 
 
 def _part_of(index: Tensor, node: Node, number: int) -> Tensor | None:

@@ -689,20 +689,17 @@ def test_small_batches_take_one_pass_per_sample(n, read, monkeypatch, proofs):
 
 
 @pytest.mark.parametrize("read", [True, False])
-def test_the_parts_switch(read, monkeypatch, proofs):
-    """Parts and gathered rows read off one pass, or (switch off) one pass per sample."""
-    monkeypatch.setattr(readers, "READ_PARTS", read)
-    model, loss_func, x, y = _problem("parameter-parts", 3)
-    got = ggnchunk.diag_ggn(model, loss_func, x, y)
-    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
-    assert ("slow" in proofs) is not read
+@pytest.mark.parametrize(
+    ("switch", "name"),
+    [("READ_PARTS", "parameter-parts"), ("READ_FOLDED_PRODUCTS", "matrix-products")],
+)
+def test_the_readers_switches(switch, name, read, monkeypatch, proofs):
+    """Parts of parameters and the glue's ``@`` weights: one pass, or one per sample.
 
-
-@pytest.mark.parametrize("read", [True, False])
-def test_the_folded_products_switch(read, monkeypatch, proofs):
-    """Weights of the glue's folded ``@`` read off one pass, or one pass per sample."""
-    monkeypatch.setattr(readers, "READ_FOLDED_PRODUCTS", read)
-    model, loss_func, x, y = _problem("matrix-products", 3)
+    Read off one pass, or (the switch off) one pass per sample; the same diagonal.
+    """
+    monkeypatch.setattr(readers, switch, read)
+    model, loss_func, x, y = _problem(name, 3)
     got = ggnchunk.diag_ggn(model, loss_func, x, y)
     assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-10)
     assert ("slow" in proofs) is not read
