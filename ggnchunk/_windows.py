@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -61,6 +62,22 @@ MAX_FILL = 0.5
 MIN_POSITIONS = 256
 """Outputs with fewer spatial positions sweep dense columns: on small maps the boxes
 soon fill them, and windowing costs more than it saves (measured in issue 19's note)."""
+
+
+class _Unions(threading.local):
+    """Blocks added on the union of their boxes, counted on this thread.
+
+    The only step whose box size can depend on where a column lies: two paths' boxes
+    (a skip and a resampled path, say) are offset by the column's position modulo the
+    paths' strides, so their union can be wider for some columns than for others. Every
+    other windowed map sizes its box from the layers' geometry alone, the same for every
+    column. The memory bound keeps a margin for alignment only where unions happened.
+    """
+
+    count = 0
+
+
+UNIONS = _Unions()
 
 
 TRIAL = True
@@ -755,6 +772,7 @@ def add(
             value.start + torch.tensor(value.box, device=lo.device),
         )
         box = tuple(int(b) for b in (hi - lo).max(0).values.tolist())
+        UNIONS.count += 1
         if math.prod(box) <= MAX_FILL * math.prod(old.size):
             a, b = old.rebox(lo, box), value.rebox(lo, box)
             fields, coeffs, origin = joined([a, b], cache)

@@ -37,9 +37,11 @@ class MemoryBound(Traversal):
         products of shared parameters. The largest total, per column.
 
         With ``windowed`` (after a windowed sweep, :attr:`windowed_bound_ready`), the
-        sizes at layer outputs and inputs are twice those the windowed sweeps had there
-        (the boxes' sizes; a margin for how boxes align), never more than the full
-        map's, and each rule's own bytes shrink with its output's share of the map.
+        sizes at layer outputs and inputs are those the windowed sweeps had there (the
+        boxes' sizes, from the layers' geometry: the same for every column), twice them
+        where blocks were added on the union of their boxes (a union's size can depend
+        on where a column lies, :data:`ggnchunk._windows.UNIONS`), never more than the
+        full map's, and each rule's own bytes shrink with its output's share of the map.
 
         Args:
             element: Bytes per element of the computation's dtype.
@@ -51,6 +53,7 @@ class MemoryBound(Traversal):
         n = self._batch
         worst = 0
         seen = self._seen if windowed else {}
+        margin = self.alignment_margin()
 
         class Meeting(_Waiting):
             """Windowed blocks meeting at a place: added on the union of their boxes.
@@ -68,7 +71,7 @@ class MemoryBound(Traversal):
         def sized(where: str, call: Call, full: int) -> int:  # at a layer
             if not windowed or ("dense", call.index) in seen:
                 return full
-            return min(full, 2 * seen.get((where, call.index), full))
+            return min(full, margin * seen.get((where, call.index), full))
 
         def settle(extra: int) -> None:
             nonlocal worst
@@ -125,16 +128,32 @@ class MemoryBound(Traversal):
         shared_total = sum(self._params[i].numel() for i in self.shared)
         return int(self.size_margin() * (worst + shared_total) * n * element)
 
+    def alignment_margin(self) -> int:
+        """The factor on the windowed sweeps' sizes for columns placed elsewhere.
+
+        Every windowed map sizes its box from the layers' geometry alone, the same for
+        every column (tested for one column per sweep at every output position of the
+        windows' test table), except a union of two blocks' boxes where paths meet: its
+        size can depend on the column's place modulo the paths' strides, and the first
+        sweeps may not have met the widest. ``y + up(down(y))`` grows from one position
+        per axis to two (four times in two dimensions), more than this margin: there
+        the budget's measured peaks shrink the chunks (:mod:`ggnchunk._scheduling`).
+
+        Returns:
+            2 where windowed sweeps added blocks on their union, else 1.
+        """
+        return 2 if self._unions else 1
+
     def _end_numel(self, edge: GradientEdge, seen: dict[Any, int] | None = None) -> int:
-        """A frontier edge's elements per column and sample (twice a windowed sweep's).
+        """A frontier edge's elements per column and sample (a windowed sweep's).
 
         Args:
             edge: A layer output, or another region's source (a cut).
             seen: The windowed sweeps' sizes (:attr:`_seen`); ``None``: the full size.
 
         Returns:
-            The full size, or twice the largest the windowed sweeps had there (a margin
-            for how boxes align), never more than the full size.
+            The full size, or the largest the windowed sweeps had there times
+            :meth:`alignment_margin`, never more than the full size.
         """
         key = edge_key(edge)
         if key in self._out_keys:
@@ -146,7 +165,7 @@ class MemoryBound(Traversal):
             full, place = self._sources[key].numel, ("source", key)
         if seen is None:
             return full
-        return min(full, 2 * seen.get(place, full))
+        return min(full, self.alignment_margin() * seen.get(place, full))
 
     def size_margin(self) -> float:
         """The factor on the sizes for what they leave out: 1.5 with maps, else 1.

@@ -87,6 +87,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         # output and input, for the windowed memory bound; ("dense", i): a full map
         self._seen: dict[tuple[str, Any], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
+        self._unions = False  # blocks were added on the union of their boxes
         self._glue_plans: dict[EdgeKey, Any] = {}  # glue regions' windowed plans
         self.passes_ahead = 1  # passes of the forward pass's columns, at this pass's size
         self._geometric: bool | None = None  # whether boxes follow the geometry alone

@@ -32,7 +32,7 @@ from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
 from ggnchunk._quantities import Quantity
-from ggnchunk._windows import Windowed, attach, dense, joined_coeffs, mix, window
+from ggnchunk._windows import UNIONS, Windowed, attach, dense, joined_coeffs, mix, window
 from ggnchunk._windows import add as add_vectors
 
 # the internal switch (tests, benchmarks): False keeps every column of the chunk to the
@@ -135,7 +135,12 @@ class Sweeps(Traversal):
             compressed if COMPRESS and quantity.gram_only and not windows
             and not self.shared and visit is None else None
         )  # fmt: skip
-        self._traverse(seed, layer, glue, visit, compress=fewer)
+        unions = UNIONS.count
+        try:
+            self._traverse(seed, layer, glue, visit, compress=fewer)
+        finally:
+            if windows and UNIONS.count != unions:
+                self._unions = True  # box sizes may depend on the columns' places
         self._warn_fallbacks()
         quantity.end(self)
 

@@ -43,6 +43,7 @@ class Traversal:
     _crossings: dict[int, list[EdgeKey]]
     _seen: dict[tuple[str, Any], int]
     _by_values: bool
+    _unions: bool
     _glue_plans: dict[EdgeKey, Any]
     _geometric: bool | None
     _warned: bool
