@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -64,14 +63,16 @@ MIN_POSITIONS = 256
 soon fill them, and windowing costs more than it saves (measured in issue 19's note)."""
 
 
-class _Unions(threading.local):
-    """Blocks added on the union of their boxes, counted on this thread.
+class _Unions:
+    """Blocks added on the union of their boxes, counted in the process.
 
     The only step whose box size can depend on where a column lies: two paths' boxes
     (a skip and a resampled path, say) are offset by the column's position modulo the
     paths' strides, so their union can be wider for some columns than for others. Every
     other windowed map sizes its box from the layers' geometry alone, the same for every
     column. The memory bound keeps a margin for alignment only where unions happened.
+    One count for every thread: a sweep that sees the count change while it runs keeps
+    the margin, whichever thread's union it was (never a union missed).
     """
 
     count = 0
