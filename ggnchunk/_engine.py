@@ -50,6 +50,10 @@ __all__ = [
     "GGNComputation", "Problem", "check_kron_parameters", "full_float32", "model_lock",
 ]  # fmt: skip
 
+PROBE_MARGIN = 4.0
+"""The windows' trial stops timing dense columns where an eighth of its dense part took
+this many times the windows' time per column (:meth:`GGNComputation._trial`)."""
+
 _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
@@ -642,24 +646,54 @@ class GGNComputation:
             choice.passes += 1
             self._backward(sqrt, start, stop, True)
         else:  # the trial: each path timed at the size of part it will run
-            # (time per column depends on the size: a small part's vectors stay in
-            # cache and reuse the heap's pages, a large one's pay fresh pages)
-            run = self._dense_part(stop - start)  # dense passes' parts
-            # the trial's dense part: half the chunk at most (a tenth timed dense parts
-            # of 21 columns where dense passes ran 89, and kept dense on the kernel-4
-            # 28x28 autoencoder at 64 MiB: 0.99x of dense where windows are 2.8x)
-            part = max(1, min(run, (stop - start) // 2))
-            dense = self._timed(self._part, sqrt, start, start + part, False) / part
-            if part < run:  # dense would run larger parts than the trial affords:
-                # time windows on a part of the same size (then the rest windowed)
-                end = start + 2 * part
-                windowed = self._timed(self._part, sqrt, start + part, end, True) / part
-                choice.decide(windowed, dense)
-                if end < stop:
-                    self._part(sqrt, end, stop, True)
-            else:  # dense runs parts of this size: windows at their own, the rest
-                rest = self._timed(self._part, sqrt, start + part, stop, True)
-                choice.decide(rest / (stop - start - part), dense)
+            self._trial(sqrt, start, stop)
+
+    def _trial(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
+        """Time both paths on parts of one chunk; keep the faster for later passes.
+
+        Each path is timed at the size of part it will run (time per column depends on
+        the size: a small part's vectors stay in cache and reuse the heap's pages, a
+        large one's pay fresh pages). The dense part runs in up to three timed pieces
+        and stops early where dense has lost, the rest of it then windowed: after a
+        thirty-second of it, where that piece alone took longer than windows take for
+        the whole part (more columns take no less time: dense cannot win); after an
+        eighth (at least 8 columns, few enough for a pass's fixed costs to be spread),
+        where its time per column is :data:`PROBE_MARGIN` times the windows'. A first
+        call paid the whole dense part before: 5.4 s of a 5.5 s call whose later calls
+        took 0.12 s (a skip added to a resized path, 8 images of 64x64,
+        ``num_chunks=8``), 7 ms of the tutorial autoencoder's 25 ms first-call excess.
+        """
+        choice = self._windows
+        run = self._dense_part(stop - start)  # dense passes' parts
+        # the trial's dense part: half the chunk at most (a tenth timed dense parts
+        # of 21 columns where dense passes ran 89, and kept dense on the kernel-4
+        # 28x28 autoencoder at 64 MiB: 0.99x of dense where windows are 2.8x)
+        part = max(1, min(run, (stop - start) // 2))
+        first = max(1, -(-part // 32))
+        dense = self._timed(self._part, sqrt, start, start + first, False)
+        if part < run:  # dense would run larger parts than the trial affords:
+            # time windows on a part of the same size (then the rest windowed)
+            end = start + 2 * part
+            windowed = self._timed(self._part, sqrt, start + part, end, True)
+        else:  # dense runs parts of this size: windows at their own, the rest
+            end = stop
+            windowed = self._timed(self._part, sqrt, start + part, stop, True)
+            windowed *= part / (stop - start - part)  # as many columns as the dense part
+        done, lost = first, dense > windowed  # more columns take no less time
+        second = max(first, -(-part // 8))
+        if not lost and second >= 8 and second < part:
+            dense += self._timed(self._part, sqrt, start + done, start + second, False)
+            done = second
+            lost = dense / done > PROBE_MARGIN * windowed / part
+        if done < part:
+            if lost:  # the rest of the dense part windowed
+                self._part(sqrt, start + done, start + part, True)
+            else:
+                dense += self._timed(self._part, sqrt, start + done, start + part, False)
+                done = part
+        choice.decide(windowed / part, dense / done)
+        if end < stop:
+            self._part(sqrt, end, stop, True)
 
     def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""

@@ -1055,14 +1055,69 @@ def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkey
     actual = ggnchunk.diag_ggn(model, loss_func, x, targets, **chunking)
     assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
     assert decided == [1]
-    (dense, _, share), (windowed, _, _) = sorted(timed, key=lambda t: t[1])
-    assert [w for _, w, _ in timed] == [False, True]
-    chunk = next(s for s in sizes if s >= 2 and dense + windowed <= s)
+    assert [w for _, w, _ in timed][:2] == [False, True]  # a dense piece, then windows
+    dense = [n for n, w, _ in timed if not w]  # pieces of the dense part, in order
+    (windowed,) = [n for n, w, _ in timed if w]
+    share = timed[0][2]
+    chunk = sizes[1]  # the trial's chunk (the first pass runs windowed, untimed)
     runs = max(1, int(chunk * share))  # the parts dense passes run
-    if dense < runs:
-        assert windowed == dense
+    part = max(1, min(runs, chunk // 2))
+    assert dense[0] == -(-part // 32)
+    assert sum(dense) <= part and len(dense) <= 3
+    if part < runs:
+        assert windowed == part
     else:
-        assert dense == runs and windowed == chunk - dense
+        assert part == runs and windowed == chunk - part
+    ggnchunk.clear_autotune_cache()
+
+
+@pytest.mark.parametrize(
+    ("dense_cost", "pieces", "choice"),
+    [(100.0, 1, True),  # a thirty-second of the columns outlasts windows on all
+     (10.0, 2, True),  # an eighth at more than PROBE_MARGIN times the windows' rate
+     (2.0, 3, True),  # close: the whole dense part timed; windows still faster
+     (0.5, 3, False)],  # dense faster
+)  # fmt: skip
+def test_the_trial_stops_timing_dense_columns_once_dense_has_lost(
+    dense_cost, pieces, choice, monkeypatch
+):
+    """The dense part of the trial is timed in pieces and cut short where dense lost.
+
+    Times are made up (a cost per column for each path) so the outcome is known: the
+    dense pieces timed, the path kept, and every column added once (exact).
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    ggnchunk.clear_autotune_cache()
+    timed, kept = [], []
+    run_timed = _engine.GGNComputation._timed
+
+    def made_up(self, fn, factor, start, stop, windowed):
+        run_timed(self, fn, factor, start, stop, windowed)
+        timed.append((stop - start, windowed))
+        return (stop - start) * (1.0 if windowed else dense_cost)
+
+    monkeypatch.setattr(_engine.GGNComputation, "_timed", made_up)
+    decide = _windows.Choice.decide
+    monkeypatch.setattr(
+        _windows.Choice, "decide",
+        lambda self, windowed, dense: decide(self, windowed, dense) or kept.append(
+            self.choice
+        ),
+    )  # fmt: skip
+    model, loss_func, x, targets = _problem("tutorial-ae", "mse")  # 270 columns
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, num_chunks=2)
+    assert_diag_close(actual, _expected("tutorial-ae", "mse"), rtol=1e-9)
+    assert kept == [choice]
+    dense = [n for n, w in timed if not w]
+    assert len(dense) == pieces
+    part = 135 // 2  # half the trial's chunk (dense passes would run it whole)
+    assert dense[0] == -(-part // 32)
+    if pieces == 2:
+        assert sum(dense) == -(-part // 8)
+    if pieces == 3:
+        assert sum(dense) == part
     ggnchunk.clear_autotune_cache()
 
 
@@ -1271,6 +1326,29 @@ def test_unions_of_offset_boxes_keep_the_alignment_margin(windows_everywhere, mo
     spy, recording = _one_column_per_sweep("offset-paths", monkeypatch)
     assert spy.varying()  # the case the margin is for
     assert recording._unions and recording.alignment_margin() == 2
+
+
+def test_glue_crossed_on_the_boxes_is_bounded_by_the_boxes(monkeypatch):
+    """A skip added to a resized path, crossed on the boxes: a budget plans large chunks.
+
+    The bound counted autograd's buffers of the glue's nodes at the full map's size,
+    though the region is crossed on the boxes: 122 passes of 17 columns at 16 MiB
+    (12,288 one-column passes, 73 s, for 8 images of 64x64 at 24 MiB, where one pass
+    took 0.13 s). Counted at the boxes' share of the map: 3 passes.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "TRIAL", False)
+    torch.manual_seed(0)
+    model = _randomized(_OffsetPaths())
+    x = torch.randn(2, 2, 32, 32, dtype=torch.float64)
+    targets = torch.randn(2, 2, 32, 32, dtype=torch.float64)
+    actual, report = ggnchunk.diag_ggn(
+        model, nn.MSELoss(), x, targets, max_memory="16MiB", return_report=True
+    )
+    assert report.windowed
+    assert report.num_passes <= 8, report
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9, label="offset-paths")
 
 
 def test_fields_that_travel_in_every_pass_give_way_to_dense_passes(monkeypatch):
