@@ -3,8 +3,8 @@ r"""Pads, pooling, shuffles, masks, gathers, softmax, convolutions, products in 
 torch's batching (``torch.autograd.grad(..., is_grads_batched=True)``) has no rule for
 the backward kernels of ``F.pad`` (every mode), max and average pooling (also adaptive),
 ``pixel_shuffle``, ``flip``, ``roll``, ``masked_fill``, ``where``, ``softmax``, batch
-norm, ``table[index]`` or a convolution: it runs them once per column (one kernel
-launch each). While the engine's forward pass runs,
+norm, ``table[index]``, ``torch.gather`` or a convolution: it runs them once per
+column (one kernel launch each). While the engine's forward pass runs,
 :func:`ggnchunk._folding.folded_glue` routes those calls outside layers with a rule
 through :class:`_FoldedGlue` (:class:`_FoldedTensors` for calls of several tensors:
 batch norm, convolutions, weight norm): its forward is the user's own call (same
@@ -23,7 +23,8 @@ folded into the kernels' batch axis:
 - **batch norm with running statistics** (timm's ``BatchNormAct2d``): an affine map per
   channel, with the weight's and bias's products;
 - **rows of a table** (``table[index]``, relative-position tables): the columns added
-  back at their rows (``index_add``);
+  back at their rows (``index_add``); ``torch.gather`` (DeBERTa's relative attention):
+  added back where they were read (``scatter_add``);
 - **convolutions** and **transposed convolutions** whose weight is computed in
   ``forward`` or fixed (weight standardization, weight and spectral norm, HiFi-GAN's
   weight-normed upsampling, a blur kernel; :class:`_Conv`): the
@@ -663,6 +664,24 @@ class _Points(_Spec):
         return result.view(count, *shape)
 
 
+class _Gather(_Spec):
+    """``torch.gather(x, dim, index)``: the columns added back where they were read.
+
+    DeBERTa's relative attention gathers its content-to-position scores along the keys;
+    torch's batching ran ``gather_backward`` once per column. One ``scatter_add`` takes
+    all columns, on a copy of the index as the call read it.
+    """
+
+    def call(self, x):
+        return torch.gather(x, self.args["dim"], self.args["index"])
+
+    def transposed(self, ctx, grads, saved):
+        index, count = self.args["index"], grads.shape[0]
+        result = grads.new_zeros(count, *ctx.in_shape)
+        spread = index.to(grads.device).unsqueeze(0).expand(count, *index.shape)
+        return result.scatter_add_(1 + self.args["dim"], spread, grads)
+
+
 class _Softmax(_Spec):
     saves_output = True
 
@@ -1296,6 +1315,21 @@ def _getitem(args: tuple, kwargs: dict) -> _Spec | None:
     return _on(_Rows(Tensor.__getitem__, {"index": index, "axis": axis}), x)
 
 
+def _gather(args: tuple, kwargs: dict) -> _Spec | None:
+    bound = _bind(("input", "dim", "index", "sparse_grad"), args, kwargs)
+    if bound is None or bound.get("sparse_grad", False):
+        return None
+    x, dim, index = bound.get("input"), bound.get("dim"), bound.get("index")
+    if not _foldable(x) or type(dim) is not int or type(index) is not Tensor:
+        return None
+    if index.dtype != torch.int64 or index.requires_grad or index.dim() != x.dim():
+        return None
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        return None  # torch's own call says what is wrong
+    index = index.clone()  # as the call read it (see :func:`_points`)
+    return _on(_Gather(torch.gather, {"dim": dim % x.dim(), "index": index}), x)
+
+
 def _points(x: Any, index: Any) -> _Spec | None:
     """``x[i, j, ...]``: two or more leading integer tensors, then whole slices."""
     if not isinstance(index, tuple) or not _foldable(x):
@@ -1420,6 +1454,8 @@ FOLDERS: dict[Any, Callable[[tuple, dict], Any]] = {
     torch.masked_fill: _masked_fill,
     Tensor.masked_fill: _masked_fill,
     torch.where: _where,
+    torch.gather: _gather,
+    Tensor.gather: _gather,
     F.batch_norm: _batch_norm,
     Tensor.__getitem__: _getitem,
     F.conv1d: _conv(1),

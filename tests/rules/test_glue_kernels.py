@@ -120,6 +120,21 @@ CALLS = {
         (2, 3, 4),
         lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 2]), torch.tensor([3, 0])],
     ),
+    # DeBERTa's relative attention: scores gathered along the keys by an expanded index
+    "gather-relative-positions": (
+        (2, 2, 4, 8),
+        lambda x: torch.gather(
+            x,
+            -1,
+            torch.tensor([[3, 4, 5, 7], [2, 3, 4, 5], [0, 2, 3, 4], [0, 0, 2, 3]]).expand(
+                2, 2, 4, 4
+            ),
+        ),
+    ),
+    "gather-method-smaller-index": (
+        (3, 5, 4),
+        lambda x: x.gather(1, torch.tensor([[[4, 0], [4, 4]]]).expand(2, 2, 2)),
+    ),
     "masked-fill": (
         (2, 3, 4, 4),
         lambda x: x.masked_fill(~torch.ones(4, 4).bool().tril(), -1e4),
@@ -573,6 +588,33 @@ def _vector_head():
     return VectorHead().double(), x, nn.MSELoss(), torch.randn(3, 5).double()
 
 
+class RelativeAttention(nn.Module):
+    """DeBERTa's content-to-position scores: ``q @ pos.T`` gathered at each offset."""
+
+    def __init__(self, dim: int = 4, span: int = 3):
+        super().__init__()
+        self.span = span
+        self.q, self.k, self.out = (
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, 3),
+        )
+        self.pos = nn.Parameter(torch.randn(2 * span, dim))
+
+    def forward(self, x):  # [N, T, D] -> [N, T, 3]
+        q, k = self.q(x), self.k(x)
+        n, t = x.shape[:2]
+        offsets = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+        rel = offsets.clamp(-self.span, self.span - 1) + self.span  # [T, T]
+        c2p = torch.gather(q @ self.pos.T, -1, rel.expand(n, t, t))
+        return self.out((q @ k.transpose(-1, -2) + c2p).softmax(-1) @ k)
+
+
+def _relative_attention():
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    return RelativeAttention().double(), x, nn.MSELoss(), torch.randn(3, 5, 3).double()
+
+
 class _TokenNLL(nn.Module):
     """Per-token negative log-likelihood of log-probabilities ``[N, T, V]``."""
 
@@ -591,6 +633,7 @@ MODELS = {
     "baddbmm-attention": _baddbmm_attention,
     "scalar-gates": _scalar_gates,
     "vector-head": _vector_head,
+    "relative-attention": _relative_attention,
     "convnext-style": _convnext_style,
     "cyclegan-style": _cyclegan_style,
 }
