@@ -225,6 +225,22 @@ class Quantity:
             grads: The vectors at its output, ``[V, N, *out]``.
         """
 
+    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
+        """Whether :meth:`layer` squares a windowed block's products on its boxes.
+
+        Where it does, no products of the layer's parameters are kept (the memory
+        bound leaves them out); elsewhere a windowed block is made dense for them.
+
+        Args:
+            recording: The recording.
+            call: A layer call with trainable parameters.
+            grads: The vectors at its output.
+
+        Returns:
+            ``False`` by default.
+        """
+        return False
+
     def backprop(self, recording: Recording, call: Call, grads: Tensor) -> Tensor | None:
         """The vectors at the call's input (the rule's map, else autograd).
 
@@ -367,6 +383,13 @@ class _Products(Quantity):
             # a copy: the products may be (views of) the vectors at the layer's output
             # or the seed, which the sums added here later must not change
             buffers[index] = value.clone()
+
+    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
+        return (
+            isinstance(grads, Windowed)
+            and not any(i in recording.shared for i, _ in call.params)
+            and type(call.rule).has_diag_windowed()
+        )
 
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         if not call.params:
@@ -602,6 +625,7 @@ class PerSampleDiagonal(_Products):
     """Each sample's GGN diagonal, ``[N, *param.shape]`` per parameter."""
 
     every_product = True
+    windowed = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)
@@ -611,7 +635,23 @@ class PerSampleDiagonal(_Products):
     def _square(self, index: int, products: Tensor) -> Tensor:
         return products.square().sum(0)
 
+    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
+        return (
+            isinstance(grads, Windowed)
+            and call.rule.windowed_per_sample
+            and type(call.rule).has_diag_windowed()
+            and not any(i in recording.reused for i, _ in call.params)
+        )
+
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        # a windowed block at a layer whose parameters are used nowhere else: each
+        # sample's squares on the boxes (no [V, N, *param] products, no dense copy)
+        if call.params and self.squares_on_boxes(recording, call, grads):
+            values = call.rule.diag_windowed(call.ctx, grads, per_sample=True)
+            if values is not None:
+                for i, pname in call.params:
+                    self._add(i, values[pname])
+                return
         # a layer's parameters used nowhere else: squared per sample by the rule where
         # it has a shortcut (no [V, N, *param] products)
         if (

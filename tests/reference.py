@@ -145,6 +145,7 @@ def reference_diag_ggn(
     inputs: Inputs,
     targets: Tensor,
     draws: Mapping[str, Tensor] | None = None,
+    per_sample: bool = False,
 ) -> dict[str, Tensor]:
     """Float64 GGN diagonal, keyed by parameter name (trainable parameters only).
 
@@ -155,6 +156,8 @@ def reference_diag_ggn(
         targets: Targets, batch on axis 0 (which defines the batch size).
         draws: For models with replayable random modules, their draws in the forward pass
             under test (:func:`recorded_draws`); each sample replays its slice.
+        per_sample: Each sample's term apart, ``[N, *param.shape]`` (its own Jacobian
+            and its block of the batch loss's Hessian).
     """
     loss_func = copy.deepcopy(loss_func).double()
     targets = _double(targets)
@@ -166,7 +169,9 @@ def reference_diag_ggn(
         return sampled(p, slice(n, n + 1)).squeeze(0)
 
     outputs = torch.stack([one_sample(params, n).detach() for n in range(batch)])
-    result = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in params.items()}
+    result = {
+        n: torch.zeros(batch, p.numel(), dtype=torch.float64) for n, p in params.items()
+    }
     for n in range(batch):
 
         def loss_of_sample(out_n: Tensor, n: int = n) -> Tensor:
@@ -181,8 +186,10 @@ def reference_diag_ggn(
             jac = jacrev(one_sample)(params, n)
         for name, j in jac.items():
             j = j.reshape(size, -1)
-            result[name] += ((hess @ j) * j).sum(0)
-    return {n: result[n].reshape(p.shape) for n, p in params.items()}
+            result[name][n] = ((hess @ j) * j).sum(0)
+    if per_sample:
+        return {n: result[n].reshape(batch, *p.shape) for n, p in params.items()}
+    return {n: result[n].sum(0).reshape(p.shape) for n, p in params.items()}
 
 
 def reference_sanity(

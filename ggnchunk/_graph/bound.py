@@ -68,6 +68,15 @@ class MemoryBound(Traversal):
                 super().add(store, key, value, fresh)
 
         waiting = Meeting()
+        # layers whose products the windowed sweeps squared on the boxes, never on a
+        # dense copy: nothing kept per column (each sample's diagonal, say)
+        boxed = {
+            call.index
+            for call in self.calls
+            if ("boxed", call.index) in seen
+            and ("dense", call.index) not in seen
+            and ("kept", call.index) not in seen
+        }
 
         def sized(where: str, call: Call, full: int) -> int:  # at a layer
             if not windowed or ("dense", call.index) in seen:
@@ -125,7 +134,9 @@ class MemoryBound(Traversal):
                 size = sized("out", call, call.out_numel)
                 rule = -(-rule * size // max(call.out_numel, 1))
             shared = sum(
-                self._params[i].numel() for i, _ in call.params if i in self.shared
+                self._params[i].numel()
+                for i, _ in call.params
+                if i in self.shared and call.index not in boxed
             )
             settle(size + rule + shared)
             if call.leaf is None:
@@ -136,7 +147,8 @@ class MemoryBound(Traversal):
 
         # the sweep's own traversal, on sizes (elements per column and sample)
         self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
-        shared_total = sum(self._params[i].numel() for i in self.shared)
+        squared = {i for c in self.calls if c.index in boxed for i, _ in c.params}
+        shared_total = sum(self._params[i].numel() for i in self.shared if i not in squared)
         return int(self.size_margin() * (worst + shared_total) * n * element)
 
     def alignment_margin(self) -> int:

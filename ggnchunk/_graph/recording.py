@@ -84,7 +84,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._warned = False
         self.window_ends: dict[str, str] = {}  # where windowed columns became dense
         # sizes (elements per column and sample) windowed sweeps had at each call's
-        # output and input, for the windowed memory bound; ("dense", i): a full map
+        # output and input, for the windowed memory bound; ("dense", i): a full map;
+        # ("boxed", i) / ("kept", i): call i's products squared on the boxes / kept
         self._seen: dict[tuple[str, Any], int] = {}
         self._by_values = False  # a block crossed glue and was windowed from values
         self._unions = False  # blocks were added on the union of their boxes

@@ -114,12 +114,12 @@ class Sweeps(Traversal):
         def layer(call: Call, grads: Tensor) -> Tensor | None:
             if windows:
                 self._see("out", call.index, grads, call.out_numel)
-                if (
-                    isinstance(grads, Windowed)
-                    and call.params
-                    and (call.ctx.shared or not type(call.rule).has_diag_windowed())
-                ):
+                if call.params and quantity.squares_on_boxes(self, call, grads):
+                    self._seen["boxed", call.index] = 1  # no products kept
+                elif isinstance(grads, Windowed) and call.params:
                     self._seen["dense", call.index] = 1  # products of a dense copy
+                elif call.params:
+                    self._seen["kept", call.index] = 1  # dense vectors' products
             quantity.layer(self, call, grads)
             if call.leaf is None:
                 return None

@@ -288,15 +288,23 @@ class LayerRule(ABC):
         """Whether the rule overrides :meth:`diag_windowed`."""
         return cls.diag_windowed is not LayerRule.diag_windowed
 
-    def diag_windowed(self, ctx: RuleContext, block: Any) -> dict[str, Tensor] | None:
+    windowed_per_sample = False
+    """Whether :meth:`diag_windowed` takes ``per_sample=True`` (each sample's squares)."""
+
+    def diag_windowed(
+        self, ctx: RuleContext, block: Any, per_sample: bool = False
+    ) -> dict[str, Tensor] | None:
         """:meth:`diag` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
 
         Args:
             ctx: The call's context.
             block: The vectors at the layer's output, each column on its box.
+            per_sample: Sum the squares over the columns only (asked only of a rule
+                that sets :attr:`windowed_per_sample`).
 
         Returns:
-            ``{param_name: [*param.shape]}``, or ``None`` (the block is made dense).
+            ``{param_name: [*param.shape]}`` (``[N, *param.shape]`` per sample), or
+            ``None`` (the block is made dense).
         """
         return None
 

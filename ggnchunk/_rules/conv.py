@@ -143,7 +143,7 @@ def _transposed_box(
 
 def _weight_squares(
     ctx: RuleContext, block: Windowed, start: Tensor, box: tuple[int, ...], fields: Any,
-    transposed: bool,
+    transposed: bool, per_sample: bool = False,
 ) -> Tensor:  # fmt: skip
     """``sum_{v,n}`` of squared weight products of a (transposed) convolution on boxes.
 
@@ -161,9 +161,10 @@ def _weight_squares(
         fields: The fields' per-sample products (``{"weight": [K, N, *weight]}``) or
             ``None``.
         transposed: A transposed convolution (weights ``[Cin, Cout/G, *k]``).
+        per_sample: Sum over the columns only (each sample's squares).
 
     Returns:
-        ``weight.shape``.
+        ``weight.shape`` (``[N, *weight.shape]`` per sample).
     """
     module, x = ctx.module, ctx.x
     dims = x.dim() - 2
@@ -182,7 +183,7 @@ def _weight_squares(
     # BLOCK elements with it
     per = n * (c * math.prod(out_box) + ci * math.prod(box) + 3 * weight.numel())
     step = max(1, BLOCK // max(per, 1))
-    total = data.new_zeros(weight.shape)
+    total = data.new_zeros((n, *weight.shape) if per_sample else weight.shape)
     for i in range(0, v, step):
         grads = data[i : i + step]
         count = grads.shape[0] * n
@@ -195,8 +196,17 @@ def _weight_squares(
         )[1].view(-1, n, *weight.shape)  # fmt: skip
         if fields is not None:
             mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
-        total += prods.square_().sum((0, 1))
+        total += prods.square_().sum(0 if per_sample else (0, 1))
     return total
+
+
+def _bias_squares(block: Windowed, fields: Any, per_sample: bool) -> Tensor:
+    """``sum_{v,n}`` (``sum_v`` per sample) of squared bias products on boxes."""
+    v, n, c = block.data.shape[:3]
+    sums = block.data.reshape(v, n, c, -1).sum(3)
+    if fields is not None:
+        sums = sums + mix(block.coeffs, fields["bias"])
+    return sums.square().sum(0 if per_sample else (0, 1))
 
 
 PATCHES: bool | None = None
@@ -224,7 +234,7 @@ def _use_patches(ctx: RuleContext, block: Windowed, grouped: int) -> bool:
 
 def _patch_squares(
     ctx: RuleContext, block: Windowed, fields: Any, transposed: bool,
-    padding: tuple[int, ...], x: Tensor | None = None,
+    padding: tuple[int, ...], x: Tensor | None = None, per_sample: bool = False,
 ) -> Tensor:  # fmt: skip
     """``sum_{v,n}`` of squared weight products from the patches of each output box.
 
@@ -242,9 +252,10 @@ def _patch_squares(
         padding: Left zero padding per spatial dimension.
         x: The input to read instead of the layer's (a map padded with values, read
             with ``padding`` 0), or ``None``.
+        per_sample: Sum over the columns only (each sample's squares).
 
     Returns:
-        ``weight.shape``.
+        ``weight.shape`` (``[N, *weight.shape]`` per sample).
     """
     module, x = ctx.module, ctx.x if x is None else x
     dims = x.dim() - 2
@@ -272,7 +283,8 @@ def _patch_squares(
     per = n * (2 * ci * kk * pb + c * pb + weight.numel())
     step = max(1, (3 * BLOCK // 4) // max(per, 1))
     span = max(step, BLOCK * data.element_size() // (4 * 24 * pb * kk))
-    total = data.new_zeros(g, o, kk * i_g)
+    samples = n if per_sample else 1
+    total = data.new_zeros(samples, g, o, kk * i_g)
     for first in range(0, v, span):
         index = patch_index(
             block.start[first : first + span], box, kernel, stride, padding, dilation,
@@ -291,11 +303,13 @@ def _patch_squares(
             if phi is not None:
                 coeffs = block.coeffs[first + j : first + j + w]
                 mix(coeffs, phi, into=prods.view(w, n, -1))
-            total += prods.view(w * n, g, o, kk * i_g).square_().sum(0)
-    total = total.view(g, o, kk, i_g)
+            squares = prods.view(w, n, g, o, kk * i_g).square_()
+            total += squares.sum(0) if per_sample else squares.sum((0, 1))
+    total = total.view(samples, g, o, kk, i_g)
     # to the weight's layout: [G * O, I, K], or [G * I, O, K] transposed
-    order = (0, 3, 1, 2) if transposed else (0, 1, 3, 2)
-    return total.permute(order).reshape(weight.shape)
+    order = (0, 1, 4, 2, 3) if transposed else (0, 1, 2, 4, 3)
+    result = total.permute(order).reshape(samples, *weight.shape)
+    return result if per_sample else result[0]
 
 
 def _native(x: Tensor) -> bool:
@@ -532,26 +546,28 @@ class ConvRule(LayerRule):
 
     windowed = True
 
-    def diag_windowed(self, ctx, block):
+    windowed_per_sample = True
+
+    def diag_windowed(self, ctx, block, per_sample=False):
         module, out = ctx.module, {}
-        v, n, c = block.data.shape[:3]
         fields = self._field_products(ctx, block)
         if trainable(module, "weight") and module.padding_mode == "zeros":
-            out["weight"] = self._weight_windowed(ctx, block, fields)
+            out["weight"] = self._weight_windowed(ctx, block, fields, per_sample)
         elif trainable(module, "weight"):  # padded with values: patches of the padded map
             dims = ctx.x.dim() - 2
             pads = [p for pair in reversed(explicit_padding(module, dims)) for p in pair]
             padded = F.pad(ctx.x.detach(), pads, mode=module.padding_mode)
-            out["weight"] = _patch_squares(ctx, block, fields, False, (0,) * dims, padded)
+            out["weight"] = _patch_squares(
+                ctx, block, fields, False, (0,) * dims, padded, per_sample
+            )
         if trainable(module, "bias"):
-            sums = block.data.reshape(v, n, c, -1).sum(3)
-            if fields is not None:
-                sums = sums + mix(block.coeffs, fields["bias"])
-            out["bias"] = sums.square().sum((0, 1))
+            out["bias"] = _bias_squares(block, fields, per_sample)
         return out
 
     @staticmethod
-    def _weight_windowed(ctx: RuleContext, block: Windowed, fields: Any) -> Tensor:
+    def _weight_windowed(
+        ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool
+    ) -> Tensor:
         """``sum_{v,n}`` of squared weight products, each column on its box.
 
         One column's products are the weight gradient of a convolution of the input
@@ -570,9 +586,11 @@ class ConvRule(LayerRule):
             for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
         )
         if _use_patches(ctx, block, x.shape[1] * math.prod(region)):
-            return _patch_squares(ctx, block, fields, False, tuple(left))
+            return _patch_squares(
+                ctx, block, fields, False, tuple(left), per_sample=per_sample
+            )
         start = block.start * _on(block, stride) - _on(block, left)
-        return _weight_squares(ctx, block, start, region, fields, transposed=False)
+        return _weight_squares(ctx, block, start, region, fields, False, per_sample)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x
@@ -770,20 +788,20 @@ class ConvTransposeRule(LayerRule):
         )
         return box, region
 
-    def diag_windowed(self, ctx, block):
+    windowed_per_sample = True
+
+    def diag_windowed(self, ctx, block, per_sample=False):
         module, out = ctx.module, {}
-        v, n, c = block.data.shape[:3]
         fields = self._field_products(ctx, block)
         if trainable(module, "weight"):
-            out["weight"] = self._weight_windowed(ctx, block, fields)
+            out["weight"] = self._weight_windowed(ctx, block, fields, per_sample)
         if trainable(module, "bias"):
-            sums = block.data.reshape(v, n, c, -1).sum(3)
-            if fields is not None:
-                sums = sums + mix(block.coeffs, fields["bias"])
-            out["bias"] = sums.square().sum((0, 1))
+            out["bias"] = _bias_squares(block, fields, per_sample)
         return out
 
-    def _weight_windowed(self, ctx: RuleContext, block: Windowed, fields: Any) -> Tensor:
+    def _weight_windowed(
+        self, ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool
+    ) -> Tensor:
         """``sum_{v,n}`` of squared weight products, each column on its box.
 
         One column's products are the weight gradient of a transposed convolution of
@@ -797,9 +815,10 @@ class ConvTransposeRule(LayerRule):
         box, region = self._boxes(module, block.box, dims)
         grouped = ctx.x.shape[1] * math.prod(box) + module.out_channels * math.prod(region)
         if _use_patches(ctx, block, grouped):
-            return _patch_squares(ctx, block, fields, True, as_tuple(module.padding, dims))
+            padding = as_tuple(module.padding, dims)
+            return _patch_squares(ctx, block, fields, True, padding, per_sample=per_sample)
         start, box, region = self._region(ctx, block)
-        return _weight_squares(ctx, region, start, box, fields, transposed=True)
+        return _weight_squares(ctx, region, start, box, fields, True, per_sample)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x

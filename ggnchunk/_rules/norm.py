@@ -96,7 +96,9 @@ class _ChannelNormRule(_NormRule):
 
     windowed = True
 
-    def diag_windowed(self, ctx, block):
+    windowed_per_sample = True
+
+    def diag_windowed(self, ctx, block, per_sample=False):
         module, out = ctx.module, {}
         data = block.data
         v, n, c = data.shape[:3]
@@ -110,7 +112,7 @@ class _ChannelNormRule(_NormRule):
         for name, value in sums.items():
             if fields is not None:
                 value = value + mix(block.coeffs, fields[name])
-            out[name] = value.square().sum((0, 1))
+            out[name] = value.square().sum(0 if per_sample else (0, 1))
         return out
 
 

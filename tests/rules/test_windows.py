@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ggnchunk
-from ggnchunk import _engine, _windows
+from ggnchunk import _engine, _quantities, _windows
 from ggnchunk._graph import sweep
+from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._quantities import DiagonalGGN
 from ggnchunk._rules import conv
 from ggnchunk._rules.geometry import patch_index
@@ -772,25 +773,106 @@ def test_windowed_equals_dense_path(name, monkeypatch):
     assert_diag_close(results[True], results[False], rtol=1e-12, label=name)
 
 
-@pytest.mark.parametrize("quantity", ["per_sample", "kron"])
-def test_other_quantities_with_windows_on(quantity, windows_everywhere, monkeypatch):
-    """Per-sample diagonals and Kronecker factors sweep dense columns: still exact."""
-    model, loss_func, x, targets = _problem("outpad-ae", "mse")
-    if quantity == "per_sample":
-        actual = ggnchunk.diag_ggn(
-            model, loss_func, x, targets, per_sample=True, num_chunks=2
-        )
-        expected = _expected("outpad-ae", "mse")
-        assert_diag_close({k: v.sum(0) for k, v in actual.items()}, expected, 1e-9)
-    else:  # the factors themselves are checked against the brute force in test_kron
-        model, loss_func, x, targets = _problem("reflect", "mse")
-        on = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
-        monkeypatch.setattr(_windows, "ENABLED", False)
-        off = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
-        for name in on:
-            assert torch.equal(on[name].output, off[name].output), name
-            assert torch.equal(on[name].input, off[name].input), name
+def test_kronecker_factors_sweep_dense_columns(windows_everywhere, monkeypatch):
+    """Kronecker factors sweep dense columns with windows on: the same factors."""
+    # the factors themselves are checked against the brute force in test_kron
+    model, loss_func, x, targets = _problem("reflect", "mse")
+    on = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
+    monkeypatch.setattr(_windows, "ENABLED", False)
+    off = ggnchunk.kron_ggn(model, loss_func, x, targets, num_chunks=2)
+    for name in on:
+        assert torch.equal(on[name].output, off[name].output), name
+        assert torch.equal(on[name].input, off[name].input), name
     assert not any(windows_everywhere)
+
+
+@functools.cache
+def _expected_per_sample(name: str, loss: str) -> dict[str, Tensor]:
+    model, loss_func, x, targets = _problem(name, loss)
+    return reference_diag_ggn(model, loss_func, x, targets, per_sample=True)
+
+
+PER_SAMPLE_CASES = [
+    pytest.param(name, loss, chunking, id=f"{name}-{loss}-{chunking}")
+    for name in MODELS
+    for loss, chunkings in (
+        ("mse", ("one-pass", "num_chunks", "budget", "batch_chunks")),
+        ("ce", ("chunk_size",)),
+    )
+    for chunking in chunkings
+    if not (loss == "ce" and CHANNELS.get(name, 2) == 1)
+    and not (name == "conv-vae-linear-bottleneck" and chunking == "batch_chunks")
+]
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
+@pytest.mark.parametrize(("name", "loss", "chunking"), PER_SAMPLE_CASES)
+def test_each_samples_windowed_diagonal_matches_brute_force(
+    name, loss, chunking, windows_everywhere
+):
+    """``per_sample=True`` on boxes: every sample's diagonal against its brute force."""
+    model, loss_func, x, targets = _problem(name, loss)
+    kwargs = CHUNKINGS[chunking](_columns(name))
+    actual = ggnchunk.diag_ggn(model, loss_func, x, targets, per_sample=True, **kwargs)
+    if name == "conv-vae-linear-bottleneck":  # the noise this call's forward drew
+        draws = recorded_draws(model)
+        expected = reference_diag_ggn(model, loss_func, x, targets, draws, per_sample=True)
+    else:
+        expected = _expected_per_sample(name, loss)
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {loss} {kwargs}")
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+
+
+@pytest.mark.parametrize("name", ["tutorial-ae", "outpad-ae", "residual-groupnorm"])
+def test_each_samples_squares_are_taken_on_the_boxes(name, windows_everywhere,
+                                                     monkeypatch):  # fmt: skip
+    """Layers on windowed blocks keep no ``[V, N, *param]`` products per sample.
+
+    Their parameters, used nowhere else, are squared per sample on the boxes; the
+    memory bound then leaves their products out, so a budget plans as many passes as
+    the summed diagonal's (it counted every parameter's products per column before).
+    """
+    kept: set[int] = set()
+    boxed: set[int] = set()
+    keep, layer = _quantities._Products._keep, _quantities.PerSampleDiagonal.layer
+
+    def keep_spy(self, index, value):
+        kept.add(index)
+        return keep(self, index, value)
+
+    def layer_spy(self, recording, call, grads):
+        if isinstance(grads, _windows.Windowed):
+            boxed.update(i for i, _ in call.params)
+        return layer(self, recording, call, grads)
+
+    bounds: list[int] = []  # the windowed bound per column
+    column_bytes = MemoryBound.column_bytes
+
+    def bound_spy(self, element, windowed=False):
+        result = column_bytes(self, element, windowed)
+        if windowed:
+            bounds.append(result)
+        return result
+
+    monkeypatch.setattr(_quantities._Products, "_keep", keep_spy)
+    monkeypatch.setattr(_quantities.PerSampleDiagonal, "layer", layer_spy)
+    monkeypatch.setattr(MemoryBound, "column_bytes", bound_spy)
+    model, loss_func, x, targets = _problem(name, "mse")
+    budget = {"max_memory": "40MiB"}
+    each, report = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, per_sample=True, return_report=True, **budget
+    )
+    assert boxed, "no layer had windowed blocks"
+    assert not kept & boxed, "products kept for layers on boxes"
+    assert report.windowed and report.num_passes > 1
+    each_bound, bounds[:] = bounds[-1], []
+    summed = ggnchunk.diag_ggn(model, loss_func, x, targets, **budget)
+    assert_diag_close({k: v.sum(0) for k, v in each.items()}, summed, rtol=1e-10)
+    if not kept:  # nothing kept at all: the summed diagonal's bound
+        assert each_bound == bounds[-1]
+    else:  # below counting every parameter's products per column
+        products = sum(p.numel() for p in model.parameters()) * N * x.element_size()
+        assert each_bound < bounds[-1] + products
 
 
 # ------------------------------------------------------------------- the block's algebra
