@@ -1,6 +1,6 @@
 """Run one budgeted call in this (fresh) process and print its peak RSS growth as JSON.
 
-``python -m tests.budget._budget_worker PROBLEM BUDGET SCENARIO``: ``SCENARIO`` is ``first``
+``python -m tests.budget._budget_worker PROBLEM BUDGET SCENARIO [auto]``: ``SCENARIO`` is ``first``
 (the first call in the process), ``warm`` (after a small call), ``after_large`` (after
 an earlier one-pass call, as a notebook's previous cell), ``trimmed`` (after a first
 budgeted call whose freed memory went back to the OS: the benchmark's warm call) or
@@ -10,7 +10,8 @@ before the measure's baseline instead). The
 peak is the kernel's own high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs`` just before the call) minus the resident set size just before
 the call: exactly what a user measuring the call sees. No allocator variables are set: the
-parent removes them.
+parent removes them. A last argument ``auto`` adds ``chunk_size="auto"`` to the budgeted
+calls.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from benchmarks.peak import high_water_mark_mib, status_bytes
 
 def main() -> None:
     name, budget, scenario = sys.argv[1:4]
+    if sys.argv[4:] == ["auto"]:  # auto mode within the budget
+        _OPTIONS["chunk_size"] = "auto"
     torch.set_num_threads(1)
     model, loss_func, x, y = problems.build(name)  # seed 0, eval mode
     if scenario == "twice":  # the first call in the process, then a second one
@@ -47,7 +50,7 @@ def main() -> None:
     elif scenario == "after_large":
         ggnchunk.diag_ggn(model, loss_func, x, y)
     elif scenario == "trimmed":  # the benchmark's warm call: after a first budgeted call
-        ggnchunk.diag_ggn(model, loss_func, x, y, max_memory=budget)
+        ggnchunk.diag_ggn(model, loss_func, x, y, max_memory=budget, **_OPTIONS)
         gc.collect()
         _malloc_trim()
     record, diag = _measured(model, loss_func, x, y, budget)
@@ -60,12 +63,15 @@ def main() -> None:
     print(json.dumps({**record, "error": error}))
 
 
+_OPTIONS: dict = {}  # more of the budgeted call's options (auto mode)
+
+
 def _measured(model, loss_func, x, y, budget: str) -> tuple[dict, dict]:
     """One budgeted call: its peak, the code it paged in (``RssFile``), its plan."""
     code = status_bytes("RssFile")
     measured = high_water_mark_mib(
         lambda: ggnchunk.diag_ggn(
-            model, loss_func, x, y, max_memory=budget, return_report=True
+            model, loss_func, x, y, max_memory=budget, return_report=True, **_OPTIONS
         )
     )
     if measured is None or code is None:
