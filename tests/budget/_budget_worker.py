@@ -1,8 +1,8 @@
 """Run one budgeted call in this (fresh) process and print its peak RSS growth as JSON.
 
 ``python -m tests.budget._budget_worker PROBLEM BUDGET SCENARIO [auto]``: ``SCENARIO``
-is ``first`` (the first call in the process), ``warm`` (after a small call), ``after_large`` (after
-an earlier one-pass call, as a notebook's previous cell), ``trimmed`` (after a first
+is ``first`` (the first call in the process), ``warm`` (after a small call),
+``after_large`` (after an earlier one-pass call, as a notebook's previous cell), ``trimmed`` (after a first
 budgeted call whose freed memory went back to the OS: the benchmark's warm call) or
 ``twice`` (the first two calls, printed as a list, with the code each paged in) or
 ``set_up`` (the first call, the one-time set-up it pays before its baseline paid
