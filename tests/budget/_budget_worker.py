@@ -2,16 +2,15 @@
 
 ``python -m tests.budget._budget_worker PROBLEM BUDGET SCENARIO [auto]``: ``SCENARIO``
 is ``first`` (the first call in the process), ``warm`` (after a small call),
-``after_large`` (after an earlier one-pass call, as a notebook's previous cell), ``trimmed`` (after a first
-budgeted call whose freed memory went back to the OS: the benchmark's warm call) or
-``twice`` (the first two calls, printed as a list, with the code each paged in) or
-``set_up`` (the first call, the one-time set-up it pays before its baseline paid
-before the measure's baseline instead). The
-peak is the kernel's own high-water mark (``VmHWM``, reset through
-``/proc/self/clear_refs`` just before the call) minus the resident set size just before
-the call: exactly what a user measuring the call sees. No allocator variables are set: the
-parent removes them. A last argument ``auto`` adds ``chunk_size="auto"`` to the budgeted
-calls.
+``after_large`` (after an earlier one-pass call, as a notebook's previous cell),
+``trimmed`` (after a first budgeted call whose freed memory went back to the OS: the
+benchmark's warm call) or ``twice`` (the first two calls, printed as a list, with the
+code each paged in) or ``set_up`` (the first call, the one-time set-up it pays before
+its baseline paid before the measure's baseline instead). The peak is the kernel's own
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the
+call) minus the resident set size just before the call: exactly what a user measuring
+the call sees. No allocator variables are set: the parent removes them. A last argument
+``auto`` adds ``chunk_size="auto"`` to the budgeted calls.
 """
 
 from __future__ import annotations
