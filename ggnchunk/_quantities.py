@@ -621,6 +621,18 @@ class DiagonalGGN(_Products):
 PER_SAMPLE_SHORTCUTS = True
 
 
+def _squares_on_boxes(recording: Recording, call: Call, grads: Any) -> bool:
+    """A windowed block at a layer whose rule reduces squares on boxes as asked
+    (:attr:`~ggnchunk.extend.Rule.windowed_squares`) and whose parameters are used
+    nowhere else (their products are not added over several uses first)."""
+    return (
+        isinstance(grads, Windowed)
+        and call.rule.windowed_squares
+        and type(call.rule).has_diag_windowed()
+        and not any(i in recording.reused for i, _ in call.params)
+    )
+
+
 class PerSampleDiagonal(_Products):
     """Each sample's GGN diagonal, ``[N, *param.shape]`` per parameter."""
 
@@ -636,12 +648,7 @@ class PerSampleDiagonal(_Products):
         return products.square().sum(0)
 
     def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
-        return (
-            isinstance(grads, Windowed)
-            and call.rule.windowed_per_sample
-            and type(call.rule).has_diag_windowed()
-            and not any(i in recording.reused for i, _ in call.params)
-        )
+        return _squares_on_boxes(recording, call, grads)
 
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         # a windowed block at a layer whose parameters are used nowhere else: each
@@ -694,6 +701,7 @@ class OutputVariance(_Products):
     """
 
     every_product = True
+    windowed = True
 
     def __init__(self, problem: Problem, samples: int, variance: list[Tensor]):
         super().__init__(problem, samples)
@@ -717,6 +725,21 @@ class OutputVariance(_Products):
     def _square(self, index: int, products: Tensor) -> Tensor:
         weighted = products.square().mul_(self._variance[index])
         return weighted.flatten(2).sum(2)
+
+    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
+        return _squares_on_boxes(recording, call, grads)
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        # a windowed block at a layer whose parameters are used nowhere else: the
+        # weighted squares per column and sample on the boxes (no [V, N, *param])
+        if call.params and self.squares_on_boxes(recording, call, grads):
+            weights = {pname: self._variance[i] for i, pname in call.params}
+            values = call.rule.diag_windowed(call.ctx, grads, weights=weights)
+            if values is not None:
+                for i, pname in call.params:
+                    self._add(i, values[pname])
+                return
+        super().layer(recording, call, grads)
 
     def end(self, recording: Recording) -> None:
         super().end(recording)

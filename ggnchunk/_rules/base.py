@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Caches", "LayerRule", "RuleContext", "gram_of_sums", "trainable"]
+__all__ = ["Caches", "LayerRule", "RuleContext", "gram_of_sums", "squares", "trainable"]
 
 
 @dataclass
@@ -288,23 +288,33 @@ class LayerRule(ABC):
         """Whether the rule overrides :meth:`diag_windowed`."""
         return cls.diag_windowed is not LayerRule.diag_windowed
 
-    windowed_per_sample = False
-    """Whether :meth:`diag_windowed` takes ``per_sample=True`` (each sample's squares)."""
+    windowed_squares = False
+    """Whether :meth:`diag_windowed` takes ``per_sample`` and ``weights`` (each sample's
+    squares, and weighted sums per column: the output variance)."""
 
     def diag_windowed(
-        self, ctx: RuleContext, block: Any, per_sample: bool = False
+        self,
+        ctx: RuleContext,
+        block: Any,
+        per_sample: bool = False,
+        weights: dict[str, Tensor] | None = None,
     ) -> dict[str, Tensor] | None:
         """:meth:`diag` for a :class:`~ggnchunk._windows.Windowed` block, or ``None``.
+
+        The squared per-(column, sample) products, reduced as :func:`squares` reduces
+        them (asked with ``per_sample`` or ``weights`` only of a rule that sets
+        :attr:`windowed_squares`).
 
         Args:
             ctx: The call's context.
             block: The vectors at the layer's output, each column on its box.
-            per_sample: Sum the squares over the columns only (asked only of a rule
-                that sets :attr:`windowed_per_sample`).
+            per_sample: Sum the squares over the columns only.
+            weights: ``{param_name: [*param.shape]}``: weight the squares and sum them
+                over the parameter's entries instead.
 
         Returns:
-            ``{param_name: [*param.shape]}`` (``[N, *param.shape]`` per sample), or
-            ``None`` (the block is made dense).
+            ``{param_name: [*param.shape]}`` (``[N, *param.shape]`` per sample, ``[V,
+            N]`` with weights), or ``None`` (the block is made dense).
         """
         return None
 
@@ -442,6 +452,25 @@ class LayerRule(ABC):
             An upper bound.
         """
         return 0
+
+
+def squares(
+    values: Tensor, per_sample: bool = False, weights: Tensor | None = None
+) -> Tensor:
+    """Squared per-(column, sample) products, reduced.
+
+    Args:
+        values: ``[V, N, *param.shape]``.
+        per_sample: Sum over the columns only: ``[N, *param.shape]``.
+        weights: ``[*param.shape]``: the squares weighted and summed over the
+            parameter's entries instead, ``[V, N]``.
+
+    Returns:
+        ``sum_{v,n}`` of the squares, ``[*param.shape]``, unless asked otherwise.
+    """
+    if weights is not None:
+        return (values.square() * weights).flatten(2).sum(2)
+    return values.square().sum(0 if per_sample else (0, 1))
 
 
 def gram_of_sums(grads: Tensor, channel_axis: int) -> Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ggnchunk._glue_kernels import pad_transposed
-from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
+from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, squares, trainable
 from ggnchunk._rules.geometry import (
     as_tuple,
     explicit_padding,
@@ -143,7 +143,7 @@ def _transposed_box(
 
 def _weight_squares(
     ctx: RuleContext, block: Windowed, start: Tensor, box: tuple[int, ...], fields: Any,
-    transposed: bool, per_sample: bool = False,
+    transposed: bool, per_sample: bool = False, weights: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """``sum_{v,n}`` of squared weight products of a (transposed) convolution on boxes.
 
@@ -162,9 +162,11 @@ def _weight_squares(
             ``None``.
         transposed: A transposed convolution (weights ``[Cin, Cout/G, *k]``).
         per_sample: Sum over the columns only (each sample's squares).
+        weights: Weights of the weight's entries: the squares weighted and summed over
+            them instead, per column and sample.
 
     Returns:
-        ``weight.shape`` (``[N, *weight.shape]`` per sample).
+        ``weight.shape`` (``[N, *weight.shape]`` per sample, ``[V, N]`` with weights).
     """
     module, x = ctx.module, ctx.x
     dims = x.dim() - 2
@@ -183,7 +185,10 @@ def _weight_squares(
     # BLOCK elements with it
     per = n * (c * math.prod(out_box) + ci * math.prod(box) + 3 * weight.numel())
     step = max(1, BLOCK // max(per, 1))
-    total = data.new_zeros((n, *weight.shape) if per_sample else weight.shape)
+    if weights is not None:
+        total = data.new_zeros(v, n)
+    else:
+        total = data.new_zeros((n, *weight.shape) if per_sample else weight.shape)
     for i in range(0, v, step):
         grads = data[i : i + step]
         count = grads.shape[0] * n
@@ -196,17 +201,22 @@ def _weight_squares(
         )[1].view(-1, n, *weight.shape)  # fmt: skip
         if fields is not None:
             mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
-        total += prods.square_().sum(0 if per_sample else (0, 1))
+        if weights is not None:
+            total[i : i + step] = prods.square_().mul_(weights).flatten(2).sum(2)
+        else:
+            total += prods.square_().sum(0 if per_sample else (0, 1))
     return total
 
 
-def _bias_squares(block: Windowed, fields: Any, per_sample: bool) -> Tensor:
-    """``sum_{v,n}`` (``sum_v`` per sample) of squared bias products on boxes."""
+def _bias_squares(
+    block: Windowed, fields: Any, per_sample: bool, weights: Tensor | None
+) -> Tensor:
+    """Squared bias products on boxes, reduced as :func:`~ggnchunk._rules.base.squares` reduces them."""
     v, n, c = block.data.shape[:3]
     sums = block.data.reshape(v, n, c, -1).sum(3)
     if fields is not None:
         sums = sums + mix(block.coeffs, fields["bias"])
-    return sums.square().sum(0 if per_sample else (0, 1))
+    return squares(sums, per_sample, weights)
 
 
 PATCHES: bool | None = None
@@ -235,6 +245,7 @@ def _use_patches(ctx: RuleContext, block: Windowed, grouped: int) -> bool:
 def _patch_squares(
     ctx: RuleContext, block: Windowed, fields: Any, transposed: bool,
     padding: tuple[int, ...], x: Tensor | None = None, per_sample: bool = False,
+    weights: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """``sum_{v,n}`` of squared weight products from the patches of each output box.
 
@@ -253,9 +264,11 @@ def _patch_squares(
         x: The input to read instead of the layer's (a map padded with values, read
             with ``padding`` 0), or ``None``.
         per_sample: Sum over the columns only (each sample's squares).
+        weights: Weights of the weight's entries: the squares weighted and summed over
+            them instead, per column and sample.
 
     Returns:
-        ``weight.shape`` (``[N, *weight.shape]`` per sample).
+        ``weight.shape`` (``[N, *weight.shape]`` per sample, ``[V, N]`` with weights).
     """
     module, x = ctx.module, ctx.x if x is None else x
     dims = x.dim() - 2
@@ -284,7 +297,15 @@ def _patch_squares(
     step = max(1, (3 * BLOCK // 4) // max(per, 1))
     span = max(step, BLOCK * data.element_size() // (4 * 24 * pb * kk))
     samples = n if per_sample else 1
-    total = data.new_zeros(samples, g, o, kk * i_g)
+    if weights is not None:  # in the products' order: [G, O, K * I]
+        if transposed:  # [G * I, O, K] to [G, O, K, I]
+            weights = weights.reshape(g, i_g, o, kk).permute(0, 2, 3, 1)
+        else:  # [G * O, I, K] to [G, O, K, I]
+            weights = weights.reshape(g, o, i_g, kk).transpose(2, 3)
+        weights = weights.reshape(g, o, kk * i_g)
+        total = data.new_zeros(v, n)
+    else:
+        total = data.new_zeros(samples, g, o, kk * i_g)
     for first in range(0, v, span):
         index = patch_index(
             block.start[first : first + span], box, kernel, stride, padding, dilation,
@@ -304,7 +325,15 @@ def _patch_squares(
                 coeffs = block.coeffs[first + j : first + j + w]
                 mix(coeffs, phi, into=prods.view(w, n, -1))
             squares = prods.view(w, n, g, o, kk * i_g).square_()
-            total += squares.sum(0) if per_sample else squares.sum((0, 1))
+            if weights is not None:
+                at = first + j
+                total[at : at + w] = squares.mul_(weights).flatten(2).sum(2)
+            elif per_sample:
+                total += squares.sum(0)
+            else:
+                total += squares.sum((0, 1))
+    if weights is not None:
+        return total
     total = total.view(samples, g, o, kk, i_g)
     # to the weight's layout: [G * O, I, K], or [G * I, O, K] transposed
     order = (0, 1, 4, 2, 3) if transposed else (0, 1, 2, 4, 3)
@@ -546,28 +575,31 @@ class ConvRule(LayerRule):
 
     windowed = True
 
-    windowed_per_sample = True
+    windowed_squares = True
 
-    def diag_windowed(self, ctx, block, per_sample=False):
+    def diag_windowed(self, ctx, block, per_sample=False, weights=None):
         module, out = ctx.module, {}
+        weights = weights or {}
         fields = self._field_products(ctx, block)
+        how = {"per_sample": per_sample, "weights": weights.get("weight")}
         if trainable(module, "weight") and module.padding_mode == "zeros":
-            out["weight"] = self._weight_windowed(ctx, block, fields, per_sample)
+            out["weight"] = self._weight_windowed(ctx, block, fields, **how)
         elif trainable(module, "weight"):  # padded with values: patches of the padded map
             dims = ctx.x.dim() - 2
             pads = [p for pair in reversed(explicit_padding(module, dims)) for p in pair]
             padded = F.pad(ctx.x.detach(), pads, mode=module.padding_mode)
             out["weight"] = _patch_squares(
-                ctx, block, fields, False, (0,) * dims, padded, per_sample
+                ctx, block, fields, False, (0,) * dims, padded, **how
             )
         if trainable(module, "bias"):
-            out["bias"] = _bias_squares(block, fields, per_sample)
+            out["bias"] = _bias_squares(block, fields, per_sample, weights.get("bias"))
         return out
 
     @staticmethod
     def _weight_windowed(
-        ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool
-    ) -> Tensor:
+        ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool,
+        weights: Tensor | None,
+    ) -> Tensor:  # fmt: skip
         """``sum_{v,n}`` of squared weight products, each column on its box.
 
         One column's products are the weight gradient of a convolution of the input
@@ -585,12 +617,11 @@ class ConvRule(LayerRule):
             (b - 1) * s + (k - 1) * d + 1
             for b, s, k, d in zip(block.box, stride, kernel, dilation, strict=True)
         )
+        how = {"per_sample": per_sample, "weights": weights}
         if _use_patches(ctx, block, x.shape[1] * math.prod(region)):
-            return _patch_squares(
-                ctx, block, fields, False, tuple(left), per_sample=per_sample
-            )
+            return _patch_squares(ctx, block, fields, False, tuple(left), **how)
         start = block.start * _on(block, stride) - _on(block, left)
-        return _weight_squares(ctx, block, start, region, fields, False, per_sample)
+        return _weight_squares(ctx, block, start, region, fields, False, **how)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x
@@ -788,20 +819,24 @@ class ConvTransposeRule(LayerRule):
         )
         return box, region
 
-    windowed_per_sample = True
+    windowed_squares = True
 
-    def diag_windowed(self, ctx, block, per_sample=False):
+    def diag_windowed(self, ctx, block, per_sample=False, weights=None):
         module, out = ctx.module, {}
+        weights = weights or {}
         fields = self._field_products(ctx, block)
         if trainable(module, "weight"):
-            out["weight"] = self._weight_windowed(ctx, block, fields, per_sample)
+            out["weight"] = self._weight_windowed(
+                ctx, block, fields, per_sample, weights.get("weight")
+            )
         if trainable(module, "bias"):
-            out["bias"] = _bias_squares(block, fields, per_sample)
+            out["bias"] = _bias_squares(block, fields, per_sample, weights.get("bias"))
         return out
 
     def _weight_windowed(
-        self, ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool
-    ) -> Tensor:
+        self, ctx: RuleContext, block: Windowed, fields: Any, per_sample: bool,
+        weights: Tensor | None,
+    ) -> Tensor:  # fmt: skip
         """``sum_{v,n}`` of squared weight products, each column on its box.
 
         One column's products are the weight gradient of a transposed convolution of
@@ -814,11 +849,12 @@ class ConvTransposeRule(LayerRule):
         module, dims = ctx.module, ctx.x.dim() - 2
         box, region = self._boxes(module, block.box, dims)
         grouped = ctx.x.shape[1] * math.prod(box) + module.out_channels * math.prod(region)
+        how = {"per_sample": per_sample, "weights": weights}
         if _use_patches(ctx, block, grouped):
             padding = as_tuple(module.padding, dims)
-            return _patch_squares(ctx, block, fields, True, padding, per_sample=per_sample)
+            return _patch_squares(ctx, block, fields, True, padding, **how)
         start, box, region = self._region(ctx, block)
-        return _weight_squares(ctx, region, start, box, fields, True, per_sample)
+        return _weight_squares(ctx, region, start, box, fields, True, **how)
 
     def backprop_windowed(self, ctx, block):
         module, x = ctx.module, ctx.x

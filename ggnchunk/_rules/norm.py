@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ggnchunk._rules.base import LayerRule, RuleContext, trainable
+from ggnchunk._rules.base import LayerRule, RuleContext, squares, trainable
 from ggnchunk._windows import Windowed, gather, mix
 
 __all__ = ["BatchNormRule", "GroupNormRule", "InstanceNormRule", "LayerNormRule"]
@@ -96,9 +96,9 @@ class _ChannelNormRule(_NormRule):
 
     windowed = True
 
-    windowed_per_sample = True
+    windowed_squares = True
 
-    def diag_windowed(self, ctx, block, per_sample=False):
+    def diag_windowed(self, ctx, block, per_sample=False, weights=None):
         module, out = ctx.module, {}
         data = block.data
         v, n, c = data.shape[:3]
@@ -112,7 +112,7 @@ class _ChannelNormRule(_NormRule):
         for name, value in sums.items():
             if fields is not None:
                 value = value + mix(block.coeffs, fields[name])
-            out[name] = value.square().sum(0 if per_sample else (0, 1))
+            out[name] = squares(value, per_sample, (weights or {}).get(name))
         return out
 
 

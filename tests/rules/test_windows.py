@@ -31,6 +31,7 @@ from ggnchunk._rules import conv
 from ggnchunk._rules.geometry import patch_index
 from tests.lean import force_lean
 from tests.models import ScalarGated, UNet
+from tests.quantities.test_output_variance import _variance_for, reference_output_variance
 from tests.reference import assert_diag_close, recorded_draws, reference_diag_ggn
 
 N = 2
@@ -823,18 +824,54 @@ def test_each_samples_windowed_diagonal_matches_brute_force(
     assert any(windows_everywhere), "no pass carried its columns on boxes"
 
 
-@pytest.mark.parametrize("name", ["tutorial-ae", "outpad-ae", "residual-groupnorm"])
-def test_each_samples_squares_are_taken_on_the_boxes(name, windows_everywhere,
-                                                     monkeypatch):  # fmt: skip
-    """Layers on windowed blocks keep no ``[V, N, *param]`` products per sample.
+@functools.cache
+def _expected_variance(name: str) -> tuple[Tensor, Tensor]:
+    model, _, x, _ = _problem(name, "mse")
+    variance = _variance_for(model)
+    with warnings.catch_warnings():  # vmap over attention's backward: slow, not wrong
+        warnings.filterwarnings("ignore", "There is a performance drop")
+        return variance, reference_output_variance(model, x, variance)
 
-    Their parameters, used nowhere else, are squared per sample on the boxes; the
-    memory bound then leaves their products out, so a budget plans as many passes as
-    the summed diagonal's (it counted every parameter's products per column before).
+
+VARIANCE_CASES = [
+    pytest.param(name, chunking, id=f"{name}-{chunking}")
+    for name in MODELS
+    for chunking in ("one-pass", "num_chunks", "budget", "batch_chunks")
+    # the VAE's noise: its brute force replays recorded draws (the diagonal's tests)
+    if name != "conv-vae-linear-bottleneck"
+]
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
+@pytest.mark.parametrize(("name", "chunking"), VARIANCE_CASES)
+def test_output_variance_on_boxes_matches_brute_force(name, chunking, windows_everywhere):
+    """Each output's variance under a diagonal posterior, columns on their boxes."""
+    model, _, x, _ = _problem(name, "mse")
+    variance, expected = _expected_variance(name)
+    kwargs = CHUNKINGS[chunking](_columns(name))
+    actual = ggnchunk.output_variance(model, x, variance, **kwargs)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12 * scale)
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+
+
+@pytest.mark.parametrize("quantity", ["per_sample", "variance"])
+@pytest.mark.parametrize("name", ["tutorial-ae", "outpad-ae", "residual-groupnorm"])
+def test_squares_per_sample_and_column_are_taken_on_the_boxes(
+    name, quantity, windows_everywhere, monkeypatch
+):
+    """Layers on windowed blocks keep no ``[V, N, *param]`` products.
+
+    Their parameters, used nowhere else, are squared per sample (``per_sample=True``)
+    or weighted and summed per column and sample (the output variance) on the boxes;
+    the memory bound then leaves their products out, as for the summed diagonal (it
+    counted every parameter's products per column before).
     """
     kept: set[int] = set()
     boxed: set[int] = set()
-    keep, layer = _quantities._Products._keep, _quantities.PerSampleDiagonal.layer
+    spec = {"per_sample": _quantities.PerSampleDiagonal,
+            "variance": _quantities.OutputVariance}[quantity]  # fmt: skip
+    keep, layer = _quantities._Products._keep, spec.layer
 
     def keep_spy(self, index, value):
         kept.add(index)
@@ -855,19 +892,26 @@ def test_each_samples_squares_are_taken_on_the_boxes(name, windows_everywhere,
         return result
 
     monkeypatch.setattr(_quantities._Products, "_keep", keep_spy)
-    monkeypatch.setattr(_quantities.PerSampleDiagonal, "layer", layer_spy)
+    monkeypatch.setattr(spec, "layer", layer_spy)
     monkeypatch.setattr(MemoryBound, "column_bytes", bound_spy)
     model, loss_func, x, targets = _problem(name, "mse")
     budget = {"max_memory": "40MiB"}
-    each, report = ggnchunk.diag_ggn(
-        model, loss_func, x, targets, per_sample=True, return_report=True, **budget
-    )
+    if quantity == "per_sample":
+        each, report = ggnchunk.diag_ggn(
+            model, loss_func, x, targets, per_sample=True, return_report=True, **budget
+        )
+    else:
+        variance = _variance_for(model)
+        _, report = ggnchunk.output_variance(
+            model, x, variance, return_report=True, **budget
+        )
     assert boxed, "no layer had windowed blocks"
     assert not kept & boxed, "products kept for layers on boxes"
     assert report.windowed and report.num_passes > 1
     each_bound, bounds[:] = bounds[-1], []
     summed = ggnchunk.diag_ggn(model, loss_func, x, targets, **budget)
-    assert_diag_close({k: v.sum(0) for k, v in each.items()}, summed, rtol=1e-10)
+    if quantity == "per_sample":
+        assert_diag_close({k: v.sum(0) for k, v in each.items()}, summed, rtol=1e-10)
     if not kept:  # nothing kept at all: the summed diagonal's bound
         assert each_bound == bounds[-1]
     else:  # below counting every parameter's products per column
