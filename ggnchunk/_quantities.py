@@ -622,9 +622,12 @@ PER_SAMPLE_SHORTCUTS = True
 
 
 def _squares_on_boxes(recording: Recording, call: Call, grads: Any) -> bool:
-    """A windowed block at a layer whose rule reduces squares on boxes as asked
-    (:attr:`~ggnchunk.extend.Rule.windowed_squares`) and whose parameters are used
-    nowhere else (their products are not added over several uses first)."""
+    """Whether a layer's squares are reduced on the boxes of a windowed block.
+
+    Its rule reduces them as asked (:attr:`~ggnchunk.extend.Rule.windowed_squares`) and
+    its parameters are used nowhere else (their products are not first added over
+    several uses).
+    """
     return (
         isinstance(grads, Windowed)
         and call.rule.windowed_squares
