@@ -211,7 +211,7 @@ def _weight_squares(
 def _bias_squares(
     block: Windowed, fields: Any, per_sample: bool, weights: Tensor | None
 ) -> Tensor:
-    """Squared bias products on boxes, reduced as :func:`~ggnchunk._rules.base.squares` reduces them."""
+    """Squared bias products on boxes, reduced as :func:`.base.squares` reduces them."""
     v, n, c = block.data.shape[:3]
     sums = block.data.reshape(v, n, c, -1).sum(3)
     if fields is not None:
