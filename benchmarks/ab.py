@@ -69,7 +69,7 @@ def alternate(
 
 def compare(
     module: Any, switch: str, names: tuple[str, str], built: tuple, chunking: dict,
-    repeats: int, **fields: Any,
+    repeats: int, call: Callable[[], Any] | None = None, **fields: Any,
 ) -> dict:  # fmt: skip
     """One row: ``diag_ggn`` with ``module.switch`` off (``names[0]``) and on, alternating.
 
@@ -80,6 +80,8 @@ def compare(
         built: ``(model, loss_func, inputs, targets)``.
         chunking: ``diag_ggn``'s chunking arguments.
         repeats: Timed calls per path.
+        call: Another call to time instead of ``diag_ggn`` (returning ``(result,
+            report)``; a tensor result is compared as one diagonal).
         fields: Put into the row first (the problem's title, its batch).
 
     Returns:
@@ -96,8 +98,11 @@ def compare(
     try:
         result = alternate(
             {names[0]: setting(False), names[1]: setting(True)},
-            lambda: ggnchunk.diag_ggn(
-                model, loss_func, x, y, return_report=True, **chunking
+            call
+            or (
+                lambda: ggnchunk.diag_ggn(
+                    model, loss_func, x, y, return_report=True, **chunking
+                )
             ),
             repeats,
         )
@@ -133,6 +138,8 @@ def cells(row: dict, names: tuple[str, str]) -> str:
 
 def relative_gap(a: dict, b: dict) -> float:
     """The largest difference of two diagonals, relative to each parameter's largest."""
+    if not isinstance(a, dict):  # one tensor (output variances)
+        a, b = {"": a}, {"": b}
     return max(
         float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)) for k in a
     )
