@@ -634,6 +634,14 @@ def windows_everywhere(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def trial_on(monkeypatch):
+    """Windows on for every map size, with the engine's trial between the two paths."""
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+
+
 @functools.cache
 def _expected(name: str, loss: str) -> dict[str, Tensor]:
     model, loss_func, x, targets = _problem(name, loss)
@@ -1115,11 +1123,8 @@ def test_choice_keeps_the_faster_path_of_the_trial(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["skips-groupnorm-avg-nearest", "tutorial-ae"])
-def test_trial_passes_mix_paths_exactly(name, monkeypatch):
+def test_trial_passes_mix_paths_exactly(trial_on, name, monkeypatch):
     """Windowed and dense passes in one call add up to the exact diagonal."""
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     model, loss_func, x, targets = _problem(name, "mse")
     actual, report = ggnchunk.diag_ggn(
         model, loss_func, x, targets, num_chunks=6, return_report=True
@@ -1133,7 +1138,9 @@ def test_trial_passes_mix_paths_exactly(name, monkeypatch):
     [({"num_chunks": 3}, None), ({"max_memory": "256MiB"}, None),
      ({"max_memory": "256MiB"}, 0.02)],  # dense passes in parts of a fiftieth
 )  # fmt: skip
-def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkeypatch):
+def test_trial_times_each_path_at_the_size_it_runs(
+    trial_on, chunking, dense_share, monkeypatch
+):
     """The trial compares the paths, not part sizes.
 
     Time per column depends on the size (a small part stays in cache and reuses the
@@ -1146,9 +1153,6 @@ def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkey
     size dense passes run, windows are timed on the rest of the chunk (equal one-column
     parts made the same U-Net at 300 MiB keep dense passes of one column, 3× slower).
     """
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     ggnchunk.clear_autotune_cache()
     timed, decided = [], []
     run_timed = _engine.GGNComputation._timed
@@ -1205,16 +1209,13 @@ def test_trial_times_each_path_at_the_size_it_runs(chunking, dense_share, monkey
      (0.5, 3, False)],  # dense faster
 )  # fmt: skip
 def test_the_trial_stops_timing_dense_columns_once_dense_has_lost(
-    dense_cost, pieces, choice, monkeypatch
+    trial_on, dense_cost, pieces, choice, monkeypatch
 ):
     """The dense part of the trial is timed in pieces and cut short where dense lost.
 
     Times are made up (a cost per column for each path) so the outcome is known: the
     dense pieces timed, the path kept, and every column added once (exact).
     """
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     ggnchunk.clear_autotune_cache()
     timed, kept = [], []
     run_timed = _engine.GGNComputation._timed
@@ -1248,15 +1249,12 @@ def test_the_trial_stops_timing_dense_columns_once_dense_has_lost(
 
 
 @pytest.mark.parametrize("faster", ["dense", "windowed"])
-def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
+def test_budgeted_call_exact_whichever_path_wins(trial_on, faster, monkeypatch):
     """Chunks planned with the windowed bound; dense passes run them in parts.
 
     When the trial finds the dense path faster, the later chunks (sized for windows)
     run dense in parts that fit the budget: every column once, exact.
     """
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     monkeypatch.setattr(
         _windows.Choice, "decide",
         lambda self, windowed, dense: setattr(self, "choice", faster == "windowed"),
@@ -1277,15 +1275,12 @@ def test_budgeted_call_exact_whichever_path_wins(faster, monkeypatch):
     assert any(w for _, w in parts) and any(not w for _, w in parts)
 
 
-def test_the_report_says_a_dense_choice_was_remembered(monkeypatch):
+def test_the_report_says_a_dense_choice_was_remembered(trial_on, monkeypatch):
     """A dense choice remembered from an earlier call's trial is reported as such.
 
     The trial's own call says "every later pass"; a later call on the same problem,
     none of whose passes is windowed, says the choice was remembered.
     """
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     monkeypatch.setattr(
         _windows.Choice, "decide",
         lambda self, windowed, dense: setattr(self, "choice", False)
@@ -1307,15 +1302,12 @@ def test_the_report_says_a_dense_choice_was_remembered(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:ggnchunk. a chunk of")
-def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(monkeypatch):
+def test_out_of_memory_inside_a_chunk_is_recovered_in_its_parts(trial_on, monkeypatch):
     """A part that runs out of memory is retried in halves inside its chunk.
 
     Parts already added are never added again (the scheduler would retry the whole
     chunk).
     """
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     backward = _engine.GGNComputation._backward
     failed, dense = [], []
 
@@ -1497,11 +1489,8 @@ def test_fields_that_travel_in_every_pass_give_way_to_dense_passes(monkeypatch):
     assert_diag_close(actual, _expected("residual-groupnorm", "mse"), rtol=1e-9)
 
 
-def test_the_trials_outcome_is_remembered_for_later_calls(monkeypatch):
+def test_the_trials_outcome_is_remembered_for_later_calls(trial_on, monkeypatch):
     """A later call on the same problem skips the trial; a new shape runs its own."""
-    monkeypatch.setattr(_windows, "ENABLED", True)
-    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
-    monkeypatch.setattr(_windows, "TRIAL", True)
     trials = []
     decide = _windows.Choice.decide
 
