@@ -642,7 +642,14 @@ class GGNComputation:
         choice = self._windows
         if not self._windowed(sqrt) or choice.choice is False:
             self._dense(sqrt, start, stop)
-        elif not choice.trial_next or stop - start < 2:
+            return
+        recording = self._recording
+        if choice.trial_next and stop - start >= 2 and recording.windowed_bound_ready:
+            # boxes far smaller than the maps (by geometry): windows, no trial
+            share = recording.windowed_share()
+            if share is not None and share <= windows.CLEARLY_SMALLER:
+                choice.settle(True)
+        if not choice.trial_next or stop - start < 2:
             choice.passes += 1
             self._backward(sqrt, start, stop, True)
         else:  # the trial: each path timed at the size of part it will run

@@ -84,6 +84,14 @@ UNIONS = _Unions()
 TRIAL = True
 """Measure the first passes both ways and keep the faster path (off: always windows)."""
 
+CLEARLY_SMALLER = 1 / 12
+"""No trial where the first windowed pass's boxes held at most this share of the full
+maps' elements at the layers' outputs (``Sweeps.windowed_share``): windows then win by
+far (the tutorial autoencoder's 0.009, the 28x28 ``output_padding`` one's 0.069 and the
+segmentation problem's 0.018 ran 4-90x faster windowed), and the trial's dense part
+was most of a first call's excess over later calls (45 of the tutorial autoencoder's
+60 ms). 0 always runs the trial."""
+
 
 _DECIDED: OrderedDict[Hashable, bool] = OrderedDict()
 """Trials' outcomes by problem (model structure, loss, shapes, dtype, device, threads),
@@ -135,7 +143,15 @@ class Choice:
             windowed: Seconds per column of the trial's windowed part.
             dense: Seconds per column of its dense part.
         """
-        self.choice = windowed <= dense
+        self.settle(windowed <= dense)
+
+    def settle(self, windowed: bool) -> None:
+        """Keep a path for the later passes (and later calls on the problem).
+
+        Args:
+            windowed: Whether they carry windows.
+        """
+        self.choice = windowed
         if self.key is not None:
             _DECIDED[self.key] = self.choice
             _DECIDED.move_to_end(self.key)

@@ -339,6 +339,30 @@ class Sweeps(Traversal):
         dims = len(self.calls[self._out_keys[edge_key(edges[0])]].ctx.out_shape)
         return node._saved_dim % dims == 1
 
+    def windowed_share(self) -> float | None:
+        """The windowed sweeps' vectors at the layers' outputs, as a share of full maps.
+
+        The elements per column and sample the largest boxes had at every layer output
+        a windowed sweep reached (full where the products took a dense copy), over the
+        full maps' there: the share of the dense path's work the windows do, roughly.
+
+        Returns:
+            A number in ``(0, 1]``, or ``None`` before a windowed sweep.
+        """
+        if not self.windowed_sweeps:
+            return None
+        boxes = full = 0
+        for call in self.calls:
+            if ("out", call.index) not in self._seen:
+                continue
+            size = call.out_numel
+            full += size
+            if ("dense", call.index) in self._seen:
+                boxes += size
+            else:
+                boxes += min(size, self._seen["out", call.index])
+        return boxes / full if full else None
+
     @property
     def windowed_bound_ready(self) -> bool:
         """Whether :meth:`column_bytes` can count windowed sizes.

@@ -636,10 +636,14 @@ def windows_everywhere(monkeypatch):
 
 @pytest.fixture
 def trial_on(monkeypatch):
-    """Windows on for every map size, with the engine's trial between the two paths."""
+    """Windows on for every map size, with the engine's trial between the two paths.
+
+    Also where the boxes are far smaller than the maps (no trial there by default).
+    """
     monkeypatch.setattr(_windows, "ENABLED", True)
     monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
     monkeypatch.setattr(_windows, "TRIAL", True)
+    monkeypatch.setattr(_windows, "CLEARLY_SMALLER", 0)
 
 
 @functools.cache
@@ -1487,6 +1491,40 @@ def test_fields_that_travel_in_every_pass_give_way_to_dense_passes(monkeypatch):
     # passes stay windowed, fewer still)
     assert report.num_passes < 200, (report.num_passes, report.window_ends)
     assert_diag_close(actual, _expected("residual-groupnorm", "mse"), rtol=1e-9)
+
+
+@pytest.mark.parametrize(("side", "trial"), [(32, False), (10, True)])
+def test_no_trial_where_the_boxes_are_far_smaller_than_the_maps(side, trial, monkeypatch):
+    """Windows without the trial where the boxes hold a small share of the maps.
+
+    The tutorial autoencoder on 32x32 maps: the first pass's boxes hold under 1% of the
+    maps' elements at the layers, and the trial's dense part was most of a first call's
+    excess over later calls. On 10x10 maps (11%) the trial runs.
+    """
+    monkeypatch.setattr(_windows, "ENABLED", True)
+    monkeypatch.setattr(_windows, "MIN_POSITIONS", 0)
+    monkeypatch.setattr(_windows, "TRIAL", True)
+    ggnchunk.clear_autotune_cache()
+    trials = []
+    run_trial = _engine.GGNComputation._trial
+
+    def spy(self, sqrt, start, stop):
+        trials.append(self._recording.windowed_share())
+        return run_trial(self, sqrt, start, stop)
+
+    monkeypatch.setattr(_engine.GGNComputation, "_trial", spy)
+    torch.manual_seed(1)
+    model = _randomized(MODELS["tutorial-ae"]())
+    x = torch.randn(N, 3, side, side, dtype=torch.float64)
+    with torch.no_grad():
+        targets = torch.randn_like(model(x))
+    actual, report = ggnchunk.diag_ggn(
+        model, nn.MSELoss(), x, targets, num_chunks=4, return_report=True
+    )
+    assert bool(trials) == trial, trials
+    assert report.windowed and report.num_passes == 4
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, targets)
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{side}x{side}")
 
 
 def test_the_trials_outcome_is_remembered_for_later_calls(trial_on, monkeypatch):
