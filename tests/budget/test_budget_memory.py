@@ -28,6 +28,8 @@ CASES = [
     ("conv_ae_28_outpad", 30),
     # no maps, so no workspace margin in the bound: 94% of the budget used
     ("classifier_1000", 73),
+    # per-pixel cross-entropy's windowed columns were made dense first (uncounted)
+    ("segmentation", 48),
 ]  # fmt: skip
 
 
@@ -52,6 +54,19 @@ def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
     # its baseline; shared and read-only) is not the call's memory: all else counts
     assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record  # the budget forced chunking
+    assert record["error"] < 1e-5, record
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_the_benchmarks_warm_segmentation_call_stays_within_the_budget():
+    """After a first call whose memory went back to the OS, as the benchmark measures.
+
+    Its windowed chunk of 1,279 columns read 64 MiB of 48.5 while cross-entropy's
+    columns were made dense before they were windowed; 22 MiB once they were not.
+    """
+    record = _run("segmentation", 48, "trimmed")
+    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 48, record
     assert record["error"] < 1e-5, record
 
 
