@@ -384,12 +384,41 @@ class _Products(Quantity):
             # or the seed, which the sums added here later must not change
             buffers[index] = value.clone()
 
+    reduces_squares = False
+    """Asks :meth:`~ggnchunk.extend.Rule.diag_windowed` for another reduction than the
+    sum over columns and samples (only of rules with ``windowed_squares``)."""
+
     def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
+        rule = call.rule
         return (
             isinstance(grads, Windowed)
-            and not any(i in recording.shared for i, _ in call.params)
-            and type(call.rule).has_diag_windowed()
+            and type(rule).has_diag_windowed()
+            and (rule.windowed_squares or not self.reduces_squares)
+            # products added over several uses first (all are kept in ``shared``
+            # for the quantities that make every product; ``reused`` are those)
+            and not any(i in recording.reused for i, _ in call.params)
         )
+
+    def _on_boxes(self, recording: Recording, call: Call, grads: Any, **how: Any) -> bool:
+        """Add a windowed block's reduced squares where :meth:`squares_on_boxes` holds.
+
+        Args:
+            recording: The recording.
+            call: The layer call.
+            grads: The vectors at its output.
+            **how: :meth:`~ggnchunk.extend.Rule.diag_windowed`'s reduction.
+
+        Returns:
+            Whether they were added (else the caller takes the products' path).
+        """
+        if not (call.params and self.squares_on_boxes(recording, call, grads)):
+            return False
+        values = call.rule.diag_windowed(call.ctx, grads, **how)
+        if values is None:
+            return False
+        for i, pname in call.params:
+            self._add(i, values[pname])
+        return True
 
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         if not call.params:
@@ -621,26 +650,12 @@ class DiagonalGGN(_Products):
 PER_SAMPLE_SHORTCUTS = True
 
 
-def _squares_on_boxes(recording: Recording, call: Call, grads: Any) -> bool:
-    """Whether a layer's squares are reduced on the boxes of a windowed block.
-
-    Its rule reduces them as asked (:attr:`~ggnchunk.extend.Rule.windowed_squares`) and
-    its parameters are used nowhere else (their products are not first added over
-    several uses).
-    """
-    return (
-        isinstance(grads, Windowed)
-        and call.rule.windowed_squares
-        and type(call.rule).has_diag_windowed()
-        and not any(i in recording.reused for i, _ in call.params)
-    )
-
-
 class PerSampleDiagonal(_Products):
     """Each sample's GGN diagonal, ``[N, *param.shape]`` per parameter."""
 
     every_product = True
     windowed = True
+    reduces_squares = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)
@@ -650,18 +665,11 @@ class PerSampleDiagonal(_Products):
     def _square(self, index: int, products: Tensor) -> Tensor:
         return products.square().sum(0)
 
-    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
-        return _squares_on_boxes(recording, call, grads)
-
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         # a windowed block at a layer whose parameters are used nowhere else: each
         # sample's squares on the boxes (no [V, N, *param] products, no dense copy)
-        if call.params and self.squares_on_boxes(recording, call, grads):
-            values = call.rule.diag_windowed(call.ctx, grads, per_sample=True)
-            if values is not None:
-                for i, pname in call.params:
-                    self._add(i, values[pname])
-                return
+        if self._on_boxes(recording, call, grads, per_sample=True):
+            return
         # a layer's parameters used nowhere else: squared per sample by the rule where
         # it has a shortcut (no [V, N, *param] products)
         if (
@@ -705,6 +713,7 @@ class OutputVariance(_Products):
 
     every_product = True
     windowed = True
+    reduces_squares = True
 
     def __init__(self, problem: Problem, samples: int, variance: list[Tensor]):
         super().__init__(problem, samples)
@@ -729,20 +738,12 @@ class OutputVariance(_Products):
         weighted = products.square().mul_(self._variance[index])
         return weighted.flatten(2).sum(2)
 
-    def squares_on_boxes(self, recording: Recording, call: Call, grads: Any) -> bool:
-        return _squares_on_boxes(recording, call, grads)
-
     def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
         # a windowed block at a layer whose parameters are used nowhere else: the
         # weighted squares per column and sample on the boxes (no [V, N, *param])
-        if call.params and self.squares_on_boxes(recording, call, grads):
-            weights = {pname: self._variance[i] for i, pname in call.params}
-            values = call.rule.diag_windowed(call.ctx, grads, weights=weights)
-            if values is not None:
-                for i, pname in call.params:
-                    self._add(i, values[pname])
-                return
-        super().layer(recording, call, grads)
+        weights = {pname: self._variance[i] for i, pname in call.params}
+        if not self._on_boxes(recording, call, grads, weights=weights):
+            super().layer(recording, call, grads)
 
     def end(self, recording: Recording) -> None:
         super().end(recording)

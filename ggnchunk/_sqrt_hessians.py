@@ -478,18 +478,26 @@ class _SoftmaxFactor(SqrtHessianFactor):
             result[local, :, local + start] += tau_j
             result *= self._sqrt_weight[:, 0].view(1, n, 1)
             return result.view(count, *self._shape)
+        values, pos = self._at_positions(start, stop)
+        result = self._prob.new_zeros(count, n, c, p)
+        result[torch.arange(count, device=device), :, :, pos] = values
+        return result.view(count, *self._shape)
+
+    def _at_positions(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Columns ``start:stop`` at their positions: ``[V, N, C]`` and positions ``[V]``.
+
+        Column ``j`` there is ``sqrt(w) (tau_c delta(c, c_j) - p_c tau_cj)`` over the
+        classes ``c``; zero at every other position.
+        """
+        c = self._prob.shape[1]
+        device = self._prob.device
         index = torch.arange(start, stop, device=device)
         pos, cls = index // c, index % c
-        local = torch.arange(count, device=device)
-        result = self._prob.new_zeros(count, n, c, p)
-        tau_j = self._tau[:, cls, pos].T  # [count, N]
-        # -p_c * tau_cj at the column's position, for all classes c
-        result[local, :, :, pos] = (
-            -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]
-        )
-        result[local, :, cls, pos] += tau_j
-        result *= self._sqrt_weight[:, pos].T[:, :, None, None]
-        return result.view(count, *self._shape)
+        tau_j = self._tau[:, cls, pos].T  # [V, N]
+        values = -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]
+        values[torch.arange(stop - start, device=device), :, cls] += tau_j
+        values *= self._sqrt_weight[:, pos].T[:, :, None]
+        return values, pos
 
     def windowed_columns(self, start: int, stop: int) -> Any:
         # each column on its position's one-position box, every class there: the
@@ -497,17 +505,9 @@ class _SoftmaxFactor(SqrtHessianFactor):
         # of 16x16 maps, 8 images: twice the windowed bound's count per column)
         if len(self._shape) < 3:
             return self.columns(start, stop)
-        n, c, _ = self._prob.shape
-        count = stop - start
-        device = self._prob.device
-        index = torch.arange(start, stop, device=device)
-        pos, cls = index // c, index % c
-        tau_j = self._tau[:, cls, pos].T  # [V, N]
-        data = -self._prob[:, :, pos].permute(2, 0, 1) * tau_j[..., None]  # [V, N, C]
-        data[torch.arange(count, device=device), :, cls] += tau_j
-        data *= self._sqrt_weight[:, pos].T[:, :, None]
+        values, pos = self._at_positions(start, stop)
         spatial = tuple(self._shape[2:])
-        data = data.view(count, n, c, *([1] * len(spatial)))
+        data = values.view(*values.shape, *([1] * len(spatial)))
         return Windowed(data, _coordinates(pos, spatial), spatial)
 
     def combine(self, noise: Tensor) -> Tensor:

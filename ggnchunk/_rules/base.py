@@ -457,10 +457,10 @@ class LayerRule(ABC):
 def squares(
     values: Tensor, per_sample: bool = False, weights: Tensor | None = None
 ) -> Tensor:
-    """Squared per-(column, sample) products, reduced.
+    """Squared per-(column, sample) products, reduced (``values`` squared in place).
 
     Args:
-        values: ``[V, N, *param.shape]``.
+        values: ``[V, N, *param.shape]``, a tensor of the caller's own.
         per_sample: Sum over the columns only: ``[N, *param.shape]``.
         weights: ``[*param.shape]``: the squares weighted and summed over the
             parameter's entries instead, ``[V, N]``.
@@ -468,9 +468,10 @@ def squares(
     Returns:
         ``sum_{v,n}`` of the squares, ``[*param.shape]``, unless asked otherwise.
     """
+    values = values.square_()
     if weights is not None:
-        return (values.square() * weights).flatten(2).sum(2)
-    return values.square().sum(0 if per_sample else (0, 1))
+        return values.mul_(weights).flatten(2).sum(2)
+    return values.sum(0 if per_sample else (0, 1))
 
 
 def gram_of_sums(grads: Tensor, channel_axis: int) -> Tensor:

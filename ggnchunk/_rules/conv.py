@@ -201,10 +201,11 @@ def _weight_squares(
         )[1].view(-1, n, *weight.shape)  # fmt: skip
         if fields is not None:
             mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
+        value = squares(prods, per_sample, weights)
         if weights is not None:
-            total[i : i + step] = prods.square_().mul_(weights).flatten(2).sum(2)
+            total[i : i + step] = value
         else:
-            total += prods.square_().sum(0 if per_sample else (0, 1))
+            total += value
     return total
 
 
@@ -324,14 +325,11 @@ def _patch_squares(
             if phi is not None:
                 coeffs = block.coeffs[first + j : first + j + w]
                 mix(coeffs, phi, into=prods.view(w, n, -1))
-            squares = prods.view(w, n, g, o, kk * i_g).square_()
+            value = squares(prods.view(w, n, g, o, kk * i_g), per_sample, weights)
             if weights is not None:
-                at = first + j
-                total[at : at + w] = squares.mul_(weights).flatten(2).sum(2)
-            elif per_sample:
-                total += squares.sum(0)
+                total[first + j : first + j + w] = value
             else:
-                total += squares.sum((0, 1))
+                total += value
     if weights is not None:
         return total
     total = total.view(samples, g, o, kk, i_g)
