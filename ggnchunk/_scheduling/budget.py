@@ -88,6 +88,8 @@ class Decision:
     chunk_size: int | None = None  # where the last call ended
     tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
     overshot: int | None = None  # the size a chunk above the target was cut to
+    # the size a chunk above the budget itself was cut to: no later call goes above it
+    over_budget: int | None = None
     fitted: int | None = None  # the largest chunk that ran within the target
 
 
@@ -113,6 +115,7 @@ class BudgetPlanner:
         self.ceiling = total  # no chunk above this size (a bound's, or one that overshot)
         self.one: int | None = None  # the probe's peak of one index (no bound known)
         self.overshot: int | None = None  # the size a chunk above the target was cut to
+        self.over_budget: int | None = None  # the size a chunk above the budget was cut to
         self._overshoot_warned = False
         self.first_level = max(0, executor.level())
 
@@ -256,8 +259,9 @@ class BudgetPlanner:
             self.overshot = size if self.overshot is None else min(self.overshot, size)
             if peak > budget:  # above the safety target only: shrink quietly
                 self._warn_overshoot(peak, size)
+                self.over_budget = min(self.over_budget or size, size)
         elif peak > budget and done == 1:  # nothing left to shrink: say so
-            self.ceiling = size = self.overshot = 1
+            self.ceiling = size = self.overshot = self.over_budget = 1
             self._warn_overshoot(peak, 1)
         elif grow and done >= size and len(records) == 1 and peak <= target:
             grown = 2 * done

@@ -88,8 +88,15 @@ def test_auto_mode_stays_within_the_budget(scenario):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("scenario", ["set_up", "warm", "after_large"])
-def test_frozen_layers_backprop_stays_within_the_budget(scenario):
+@pytest.mark.parametrize(
+    ("problem", "budget_mib", "scenario"),
+    [("frozen_wide_convs", 24, s) for s in ("set_up", "warm", "after_large")]
+    # the benchmark's warm call (after a first call's memory went back to the OS): its
+    # frozen stages' bound counts the patches' form once where it runs for one column
+    # only, and a first call's cut above the planning target no longer caps it
+    + [("resnet18_frozen", 24, s) for s in ("warm", "trimmed")],
+)
+def test_frozen_layers_backprop_stays_within_the_budget(problem, budget_mib, scenario):
     """Frozen convolutions backpropagate only, but their patches' gradients count.
 
     Two frozen 512-channel convolutions between a trainable stem and head: their
@@ -99,8 +106,8 @@ def test_frozen_layers_backprop_stays_within_the_budget(scenario):
     one-time set-up (oneDNN's, about 29 MiB of data beside the code for these layers)
     is paid before its baseline (``set_up``).
     """
-    record = _run("frozen_wide_convs", 24, scenario)
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 24, record
+    record = _run(problem, budget_mib, scenario)
+    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
 

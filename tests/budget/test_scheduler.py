@@ -391,6 +391,47 @@ def test_known_cost_that_overshot_is_remembered_by_the_next_call():
     ggnchunk.clear_autotune_cache()
 
 
+class FreshHeap(SimulatedMemory):
+    """Chunks above ``large`` indices take ``extra`` more (a fresh heap's pages)."""
+
+    def __init__(self, extra, large, **kwargs):
+        super().__init__(**kwargs)
+        self.extra, self.large = extra, large
+
+    def measure(self, fn):
+        result, peak, seconds = super().measure(fn)
+        return result, peak + (self.extra if self.size > self.large else 0), seconds
+
+
+def test_known_cost_overshot_within_the_budget_grows_back_in_the_next_call():
+    # a process's first call on a fresh heap can take more than the bound (and than
+    # later calls): its chunks above the planning target, not above the budget, are cut
+    # quietly. The next call starts there but grows back to the bound's size once its
+    # measured chunks fit, and the call after it starts at the bound's size (the cut was
+    # remembered for good: ResNet-18 frozen but layer1 ran 51 passes of 2 columns in
+    # every warm call where 16 of 7 fit)
+    ggnchunk.clear_autotune_cache()
+    sim = FreshHeap(extra=6 * MiB, large=20, fixed=2 * MiB, per_index=MiB)
+    scheduler = ChunkScheduler(max_memory=40 * MiB, tracker=sim, cache_key="fresh heap")
+    bound_size = int((HostMemory.planning_share * 40 * MiB - 2 * MiB) // MiB)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        for extra in (6 * MiB, 0, 0):
+            sim.extra = extra
+            total, report = scheduler.run(100, sim.run, baseline=0, cost=(2 * MiB, MiB))
+            assert total.item() == sum(range(100))
+            assert report.peak_extra_bytes <= 40 * MiB
+            reports.append([c.stop - c.start for c in report.chunks])
+    first, second, third = reports
+    cut = first[-2]
+    assert max(first) > cut and cut < bound_size  # above the target: cut quietly
+    assert second[1] == cut  # the next call starts at the cut ...
+    assert max(second) > cut  # ... and grows back toward the bound's size
+    assert third[1] == bound_size  # the call after it starts at the bound's size
+    ggnchunk.clear_autotune_cache()
+
+
 def test_known_cost_whose_one_index_overshot_is_remembered_by_the_next_call():
     # one index alone is above the budget (a fixed part the bound does not see): the
     # next call runs one index per pass from its start, not the bound's larger chunks
