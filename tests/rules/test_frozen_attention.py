@@ -583,3 +583,36 @@ def test_frozen_layers_count_no_products_per_column():
     got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y, max_memory="16MiB")
     expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
     assert_diag_close(got, expected, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("size", "kernel", "dilation", "padding", "stride"),
+    [((2, 2), (3, 3), (1, 1), (1, 1), (2, 2)),  # ResNet-18's layer4 on 32x32 images
+     ((1, 1), (3, 3), (1, 1), (1, 1), (1, 1)),  # every tap but the centre reads zeros
+     ((3, 5), (3, 5), (1, 1), (0, 0), (1, 1)),  # no padding, a wide kernel
+     ((5, 4), (2, 3), (2, 1), (1, 0), (5, 2)),  # dilated, strided, uneven
+     ((1, 2), (3, 3), (2, 2), (2, 2), (1, 2))],  # dilated taps on both sides
+)  # fmt: skip
+def test_one_output_position_places_each_tap_on_its_input(
+    size, kernel, dilation, padding, stride
+):
+    """A frozen convolution's backprop at one output position: a copy, no ``F.fold``.
+
+    Against autograd's own input gradient of the convolution, in float64.
+    """
+    from ggnchunk._rules.conv import _placed_taps
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, *size, dtype=torch.float64)
+    weight = torch.randn(5, 4, *kernel, dtype=torch.float64)
+    out = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation)
+    assert out.shape[2:] == (1, 1)
+    grads = torch.randn_like(out)
+    (expected,) = torch.autograd.grad(
+        torch.nn.functional.conv2d(x.requires_grad_(), weight, None, stride, padding,
+                                   dilation),
+        x, grads,
+    )  # fmt: skip
+    patches = (grads.reshape(3, 5) @ weight.reshape(5, -1)).unsqueeze(1)
+    placed = _placed_taps(patches, x.shape, kernel, dilation, padding)
+    torch.testing.assert_close(placed, expected, rtol=1e-12, atol=1e-12)
