@@ -300,10 +300,8 @@ def _run_adaptive(
         decision.over_budget = min(
             decision.over_budget or planner.over_budget, planner.over_budget
         )
-    if planner.overshot is not None:  # where this call's chunks were cut to
-        decision.overshot = planner.overshot
-        if decision.over_budget:
-            decision.overshot = min(decision.overshot, decision.over_budget)
+    if planner.overshot is not None:  # where this call's chunks were cut to (never
+        decision.overshot = planner.overshot  # above a remembered over_budget ceiling)
     elif not decision.over_budget:  # no chunk above the target this time: the next
         decision.overshot = None  # call starts from the bound's size again
     decision.per_index = max(1.0, (planner.target - decision.fixed) / max(size, 1))
