@@ -397,6 +397,76 @@ def _flipped(weight: Tensor, groups: int) -> Tensor:
     )
 
 
+def _reaching_taps(
+    size_in: Any, size_out: Any, kernel: tuple[int, ...], padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> list[tuple[int, int]]:  # fmt: skip
+    """Per axis, the taps ``[first, stop)`` of a stride-1 convolution that read the input.
+
+    Tap ``t`` reads input ``o + t * d - p`` for output ``o``: it reaches an input for some
+    output where ``[t * d - p, size_out - 1 + t * d - p]`` meets ``[0, size_in - 1]``.
+    """
+    taps = []
+    for n_in, n_out, k, p, d in zip(size_in, size_out, kernel, padding, dilation,
+                                    strict=True):  # fmt: skip
+        first = max(0, -((n_out - 1 - p) // d))  # ceil((p - n_out + 1) / d)
+        last = min(k - 1, (n_in - 1 + p) // d)
+        taps.append((first, last + 1))  # empty where every tap reads padding
+    return taps
+
+
+def _cropped_backprop(
+    folded: Tensor, weight: Tensor, groups: int, taps: list[tuple[int, int]],
+    padding: tuple[int, ...], dilation: tuple[int, ...], x_shape: torch.Size,
+) -> Tensor:  # fmt: skip
+    """The input gradient of a stride-1 convolution from the taps that read the input.
+
+    ``dx[i] = sum_t w[t] g[i + p - t d]`` over the taps ``t`` in ``[a, b)`` (the others
+    read only padding): the convolution of ``g``, padded by ``(b - 1) d - p`` before and
+    whatever makes the input's length after (negative pads crop), with the flipped
+    kernel of those taps. A single tap of a depthwise kernel is a scale per channel.
+
+    Args:
+        folded: Gradients at the output ``[V*N, C_out, *out]``.
+        weight: ``[C_out, C_in/G, *K]``.
+        groups: The layer's groups.
+        taps: Per axis, ``(first, stop)`` from :func:`_reaching_taps`.
+        padding: Per axis, the zeros before the input.
+        dilation: Per axis.
+        x_shape: The layer's input shape ``[N, C_in, *in]``.
+
+    Returns:
+        ``[V*N, C_in, *in]``.
+    """
+    dims = len(taps)
+    if any(b <= a for a, b in taps):  # every tap reads padding: the input is unread
+        return folded.new_zeros(folded.shape[0], x_shape[1], *x_shape[2:])
+    weight = weight[(slice(None), slice(None), *(slice(a, b) for a, b in taps))]
+    sizes_in, sizes_out = x_shape[2:], folded.shape[2:]
+    if (
+        all(b - a == 1 for a, b in taps)
+        and weight.shape[1] == 1
+        and groups == weight.shape[0]
+    ):
+        # depthwise, one tap per axis: a scale per channel, shifted by the tap's offset
+        offsets = [a * d - p for (a, _), p, d in zip(taps, padding, dilation, strict=True)]
+        pads = []
+        for off, n_in, n_out in zip(reversed(offsets), reversed(sizes_in),
+                                    reversed(sizes_out), strict=True):  # fmt: skip
+            pads += [off, n_in - n_out - off]  # dx[i] = w g[i - off]
+        scale = weight.reshape(1, -1, *([1] * dims))
+        return F.pad(folded, pads) * scale
+    pads = []
+    for (a, b), p, d, n_in, n_out in zip(
+        reversed(taps), reversed(padding), reversed(dilation), reversed(sizes_in),
+        reversed(sizes_out), strict=True,
+    ):  # fmt: skip
+        before = (b - 1) * d - p
+        pads += [before, n_in + (b - 1 - a) * d - before - n_out]
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    return conv(F.pad(folded, pads), _flipped(weight, groups), None, 1, 0, dilation, groups)
+
+
 class ConvRule(LayerRule):
     """``nn.Conv1d/2d/3d``: any stride, padding (also ``"same"``, non-zero modes), groups.
 
@@ -565,6 +635,14 @@ class ConvRule(LayerRule):
             # kernel (10x faster than its transposed convolution for MobileNetV3's
             # dilated 5x5 depthwise layers, never slower for grouped ones, 1 thread)
             conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+            taps = _reaching_taps(x.shape[2:], grads.shape[3:], kernel, padding, dilation)
+            if any(b - a < k for (a, b), k in zip(taps, kernel, strict=True)):
+                # taps that read padding only at every position are left out (a dilated
+                # 5x5 depthwise layer on MobileNetV3's 1x1 maps: its centre tap alone,
+                # where the whole kernel took 65% of the LRASPP's pass)
+                return _cropped_backprop(
+                    folded, weight, module.groups, taps, padding, dilation, x.shape
+                ).reshape(v, n, *x.shape[1:])
             reach = [d * (k - 1) - p for p, d, k in zip(padding, dilation, kernel,
                                                        strict=True)]  # fmt: skip
             flipped = _flipped(weight, module.groups)

@@ -616,3 +616,99 @@ def test_one_output_position_places_each_tap_on_its_input(
     patches = (grads.reshape(3, 5) @ weight.reshape(5, -1)).unsqueeze(1)
     placed = _placed_taps(patches, x.shape, kernel, dilation, padding)
     torch.testing.assert_close(placed, expected, rtol=1e-12, atol=1e-12)
+
+
+def _crop_cases() -> list:
+    """Stride-1 grouped convolutions whose kernels reach past small maps (seeded)."""
+    import random
+
+    rng, cases = random.Random(0), []
+    while len(cases) < 60:
+        dims = 1 + len(cases) % 3
+        kernel = tuple(rng.choice([1, 2, 3, 5, 7]) for _ in range(dims))
+        dilation = tuple(rng.choice([1, 2, 3]) for _ in range(dims))
+        padding = tuple(
+            rng.randint(0, d * (k - 1)) for k, d in zip(kernel, dilation, strict=True)
+        )
+        size = tuple(rng.randint(1, 6) for _ in range(dims))
+        geometry = zip(size, padding, dilation, kernel, strict=True)
+        if any(s + 2 * p - d * (k - 1) < 1 for s, p, d, k in geometry):  # no output
+            continue
+        groups, cin, cout = rng.choice(
+            [(4, 4, 4), (4, 4, 4), (2, 2, 4), (2, 4, 2), (1, 2, 3)]
+        )
+        cases.append((size, kernel, dilation, padding, groups, cin, cout))
+    return cases
+
+
+@pytest.mark.parametrize(("size", "kernel", "dilation", "padding", "groups", "cin", "cout"),
+                         _crop_cases())  # fmt: skip
+def test_taps_that_read_only_padding_are_left_out(
+    size, kernel, dilation, padding, groups, cin, cout
+):
+    """A stride-1 convolution's backprop from the taps that read the input only.
+
+    Against autograd's own input gradient, in float64: 1 to 3 spatial axes, maps smaller
+    than the kernel's reach, depthwise (one tap: a scale per channel) and grouped.
+    """
+    from ggnchunk._rules.conv import _cropped_backprop, _reaching_taps
+
+    torch.manual_seed(0)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[len(size) - 1]
+    x = torch.randn(3, cin, *size, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(cout, cin // groups, *kernel, dtype=torch.float64)
+    out = conv(x, weight, None, 1, padding, dilation, groups)
+    grads = torch.randn_like(out)
+    (expected,) = torch.autograd.grad(out, x, grads)
+    taps = _reaching_taps(size, out.shape[2:], kernel, padding, dilation)
+    got = _cropped_backprop(grads, weight, groups, taps, padding, dilation, x.shape)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+class _SmallMaps(nn.Module):
+    """A trained stem, then frozen depthwise convolutions reaching past 1x1 and 2x2 maps.
+
+    MobileNetV3's dilated 5x5 depthwise layers on the 1x1 maps of a 16x16 input (the
+    LRASPP's) and a dilated 3x3 one on 2x2 maps (their centre taps alone), a 5x5
+    depthwise and a grouped one on 2x2 maps (three taps of five per axis).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=4, padding=1)  # 8x8 -> 2x2
+        self.dw3 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8)
+        self.dw5_2x2 = nn.Conv2d(8, 8, 5, padding=2, groups=8)
+        self.grouped = nn.Conv2d(8, 8, 5, padding=2, groups=2)
+        self.pool = nn.AvgPool2d(2)  # 2x2 -> 1x1
+        self.dw5 = nn.Conv2d(8, 8, 5, padding=4, dilation=2, groups=8)
+        self.head = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.dw5_2x2(torch.tanh(self.dw3(h))))
+        h = torch.tanh(self.grouped(h))
+        return self.head(torch.tanh(self.dw5(self.pool(h)))).flatten(1)
+
+
+@pytest.mark.parametrize("chunking", [{}, {"num_chunks": 2}, {"max_memory": "64MiB"}])
+def test_frozen_depthwise_layers_on_small_maps_match_brute_force(chunking, monkeypatch):
+    """Exact through the cropped kernels, which the sweep takes for every frozen layer."""
+    from ggnchunk._rules import conv as conv_rules
+
+    calls = []
+    original = conv_rules._cropped_backprop
+    monkeypatch.setattr(conv_rules, "_cropped_backprop",
+                        lambda *a: calls.append(a[1].shape) or original(*a))  # fmt: skip
+    torch.manual_seed(0)
+    model = _SmallMaps().double()
+    _freeze(model, ("stem.", "head."))
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (4,))
+    got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y, **chunking)
+    assert_diag_close(got, reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y),
+                      rtol=1e-9)  # fmt: skip
+    # the four frozen layers, in every pass
+    assert len(calls) % 4 == 0 and {tuple(s) for s in calls} == {
+        (8, 1, 3, 3),
+        (8, 4, 5, 5),
+        (8, 1, 5, 5),
+    }, calls
