@@ -43,7 +43,7 @@ from ggnchunk._scheduling import (
     planning_share,
 )
 from ggnchunk._sqrt_hessians import AutogradLossSqrtHessian, averages
-from ggnchunk._warmup import ensure_batched_autograd, warm_up_for
+from ggnchunk._warmup import ensure_batched_autograd, ensure_matmul_pool, warm_up_for
 
 
 @dataclass
@@ -310,18 +310,22 @@ def _share(columns: int, options: ChunkOptions, group) -> tuple[int, int, ChunkO
     return shares[rank][0], shares[rank][1], options
 
 
-def _warm_up(problem: Problem, kernels: bool = True) -> bool:
+def _warm_up(problem: Problem, kernels: bool = True, budget: int | None = None) -> bool:
     """The process's one-time set-up for this problem, before the call's baseline.
 
     Args:
         problem: The call's problem.
         kernels: Whether to page in its kinds of layers' kernels too (where the memory
             measurement counts code, :attr:`MemoryBackend.counts_code`).
+        budget: The call's budget in bytes (the matrix products' buffer pool is grown
+            first where it is a sizeable share of it); ``None`` without one.
 
     Returns:
         Whether anything was set up now (``False`` once the process has it).
     """
     ran = kernels and warm_up_for(problem.model, problem.dtype, problem.device)
+    if budget is not None:
+        ran = ensure_matmul_pool(problem.dtype, problem.device, budget) or ran
     if isinstance(problem.handler, AutogradLossSqrtHessian) or _has_glue(problem):
         # torch.func factorizes the loss, or backpropagates glue in batches: the
         # forward pass's checks set it up first (about 40 MiB counted as in use after
@@ -595,7 +599,10 @@ def _compute(
     if tracker is not None:  # one-time set-up is not the budget's: pay it first
         code = getattr(tracker, "code", lambda: 0)()
         kernels = getattr(tracker, "counts_code", True)
-        baseline = _set_up_outside(tracker, lambda: _warm_up(problem, kernels), report)
+        total = parse_memory(options.max_memory) if options.max_memory else None
+        baseline = _set_up_outside(
+            tracker, lambda: _warm_up(problem, kernels, total), report
+        )
     bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch

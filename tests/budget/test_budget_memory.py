@@ -229,7 +229,9 @@ def test_the_report_shows_the_one_time_set_up_of_the_first_budgeted_call():
         done.stdout.strip().splitlines()[-1]
     )
     assert unbudgeted[:2] == [0.0, 0]  # no budget: nothing is set up
-    assert first[0] == 0.0  # no warm-up: the code it paged in is not counted
+    # no kernel warm-up (the code it paged in is not counted), but the matrix products'
+    # buffer pool is grown before the baseline (more than 5% of 64 MiB on one thread)
+    assert first[0] > 0.0
     # the code the call paged in (RssFile), as pages mapped from files (statm's shared,
     # which also holds shared memory: never less)
     assert first[1] >= first[2], first
@@ -365,3 +367,99 @@ def test_kron_factors_stay_within_the_budget():
     assert done.returncode == 0, done.stderr[-3000:]
     for peak in json.loads(done.stdout.strip().splitlines()[-1]):
         assert peak <= 110, peak
+
+
+_POOL = """
+import gc, json, random, sys, torch
+from ggnchunk._memory import HostMemory
+from ggnchunk._warmup import ensure_matmul_pool
+threads, dtype, warm = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3] == "1"
+torch.set_num_threads(threads)
+host = HostMemory(torch.device("cpu"))
+if host.counts_code:
+    print(json.dumps(None)); sys.exit()
+zeros = torch.zeros(2**24, dtype=dtype)  # every factor is a view of it
+before = host.settled()
+if warm:
+    ensure_matmul_pool(dtype, torch.device("cpu"), 2**20)  # a budget the pool fills
+after_set_up = host.settled()
+rng = random.Random(0)
+sizes = [1, 3, 8, 17, 64, 100, 256, 513, 1024, 2048, 4096, 8192]
+# those that grew the pool most in a sweep of 600 products, and random ones
+shapes = [(64, 1024, 8192), (8192, 1024, 64), (4096, 100, 513), (64, 1024, 513),
+          (256, 64, 513), (2048, 8, 64), (8, 3, 2048)]
+shapes += [tuple(rng.choice(sizes) for _ in range(3)) for _ in range(60)]
+for m, k, n in shapes:
+    if m * k * n > 2**27 and (m, k, n) not in shapes[:7]:
+        continue
+    for layout in range(4):  # each factor as is or transposed
+        a = zeros[: k * m].view(k, m).t() if layout & 1 else zeros[: m * k].view(m, k)
+        b = zeros[: n * k].view(n, k).t() if layout & 2 else zeros[: k * n].view(k, n)
+        torch.mm(a, b)
+b = zeros[: 16 * 300 * 64].view(16, 300, 64)
+torch.bmm(b.transpose(1, 2), b)
+del a, b
+gc.collect()
+print(json.dumps([after_set_up - before, host.settled() - after_set_up]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "threads"), [("float32", 1), ("float32", 2), ("float64", 1)]
+)
+def test_matrix_products_after_the_set_up_keep_nothing_more(dtype, threads):
+    """The products' buffer pool is grown before a budgeted call's baseline (issue 21).
+
+    MKL keeps a pool of packing buffers per thread that grows with the largest products
+    a process ran and is never given back. Grown inside a first call, it counted as in
+    use after the forward pass: the partly frozen ResNet-18 at 22.3 MiB planned 51
+    passes where a second call planned 25. After :func:`ensure_matmul_pool`, products
+    of the shapes that grew it most and of random ones, in four layouts, leave nothing
+    more resident. Without it (the
+    control) they leave several MiB where the library keeps such a pool; the case is
+    skipped where it does not.
+    """
+    runs = []
+    for warm in ("0", "1"):
+        done = subprocess.run(
+            [sys.executable, "-c", _POOL, str(threads), dtype, warm],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if runs[0] is None:
+        pytest.skip("needs Linux /proc/self/statm")
+    (_, cold), (set_up, warm) = runs
+    if cold < 2**20:
+        pytest.skip(f"this BLAS keeps no pool that grows ({cold} bytes)")
+    assert set_up > 2**20, runs  # the set-up grew it
+    assert warm < 2**19, runs  # and the products found it large enough
+
+
+_POOL_CALL = """
+import json, sys, torch, ggnchunk
+from benchmarks import problems
+torch.set_num_threads(1)
+model, loss, x, y = problems.build("mlp_ae")
+_, report = ggnchunk.diag_ggn(model, loss, x, y, max_memory=sys.argv[1],
+                              return_report=True)
+print(json.dumps([report.setup_seconds, report.num_passes]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize(("budget", "grown"), [("16MiB", True), ("1GiB", False)])
+def test_the_products_pool_is_grown_where_it_is_a_share_of_the_budget(budget, grown):
+    """A first call's set-up grows it where it is over 5% of the budget, else nothing.
+
+    The MLP autoencoder has no glue and the CPU's budget leaves code out: the pool is
+    all a first call sets up on Linux (20-60 ms, which a 1 GiB budget does not need).
+    """
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _POOL_CALL, budget],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds, passes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (seconds > 0) is grown, (seconds, passes)
