@@ -318,14 +318,16 @@ def _warm_up(problem: Problem, kernels: bool = True, budget: int | None = None) 
         kernels: Whether to page in its kinds of layers' kernels too (where the memory
             measurement counts code, :attr:`MemoryBackend.counts_code`).
         budget: The call's budget in bytes (the matrix products' buffer pool is grown
-            first where it is a sizeable share of it); ``None`` without one.
+            first where it is a sizeable share of it and the model is large);
+            ``None`` without one.
 
     Returns:
         Whether anything was set up now (``False`` once the process has it).
     """
     ran = kernels and warm_up_for(problem.model, problem.dtype, problem.device)
     if budget is not None:
-        ran = ensure_matmul_pool(problem.dtype, problem.device, budget) or ran
+        parameters = sum(p.numel() for p in problem.model.parameters())
+        ran = ensure_matmul_pool(problem.dtype, problem.device, budget, parameters) or ran
     if isinstance(problem.handler, AutogradLossSqrtHessian) or _has_glue(problem):
         # torch.func factorizes the loss, or backpropagates glue in batches: the
         # forward pass's checks set it up first (about 40 MiB counted as in use after

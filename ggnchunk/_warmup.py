@@ -28,7 +28,8 @@ grows with the largest products a process has run and is never given back. A fir
 grew it inside its budget: the partly frozen ResNet-18 at 22.3 MiB counted 6 MiB more in
 use after its forward pass than a second call did and planned 51 passes where the second
 planned 25. :func:`ensure_matmul_pool` grows it once per process, dtype and thread count,
-before the baseline of a call whose budget the pool is a sizeable share of, with products
+before the baseline of a call whose budget the pool is a sizeable share of and whose model
+is large enough for its products to grow it, with products
 whose buffers every later one fits in (480 products of random shapes and layouts after
 them grew it no further).
 """
@@ -230,24 +231,32 @@ _POOL = {
     torch.float32: (((64, 512, 8192), (8, 3, 2048)), 5 * 2**20),
     torch.float64: (((8192, 512, 64), (2048, 8, 64)), 10 * 2**20),
 }
-# the share of a budget above which the pool's growth inside a call is worth a set-up
+# where the pool's growth inside a call is worth a set-up: the pool is over this share
+# of the budget, and the model holds at least this many parameters (its products grow
+# the pool: the partly frozen ResNet-18's by 6.8 MiB over two calls, the 28x28
+# autoencoder's 3.4, the 1,000-class classifier's 0.8, the segmenter's 0.15)
 _POOL_SHARE = 0.05
+_POOL_PARAMETERS = 2**20
 
 
-def ensure_matmul_pool(dtype: torch.dtype, device: torch.device, budget: int) -> bool:
+def ensure_matmul_pool(
+    dtype: torch.dtype, device: torch.device, budget: int, parameters: int
+) -> bool:
     """Grow the matrix products' buffer pool of this thread count once per process.
 
     20-60 ms on one thread (products of zeros; the code of the library's large-product
-    kernels paged in), paid only where the pool is more than 5% of the budget: a
-    budget of 160 MiB on one thread is not worth it (the tutorial autoencoder's products
-    grew the pool by 0.04 MiB), one of 22 MiB is (the partly frozen ResNet-18's grew it
-    by 6.8 MiB over two calls). Only on the CPU (a GPU's library workspaces live in the
-    caching allocator, whose reuse the budget sees), and for float32 and float64.
+    kernels paged in), paid only where the pool is more than 5% of the budget and the
+    model holds at least 2**20 parameters. A small model's first call paid 30 ms for it
+    (22% of the 16x16 segmenter's budgeted call) and planned as many passes without
+    it; ResNet-18's planned 10 passes without it where a second call planned 4-6. Only
+    on the CPU (a GPU's library workspaces live in the caching allocator, whose reuse the
+    budget sees), and for float32 and float64.
 
     Args:
         dtype: The computation's dtype (each has its own kernels and buffers).
         device: Where it runs.
         budget: The call's budget in bytes.
+        parameters: The model's parameter count (trainable or not).
 
     Returns:
         Whether it ran now.
@@ -257,6 +266,7 @@ def ensure_matmul_pool(dtype: torch.dtype, device: torch.device, budget: int) ->
     if (
         device.type != "cpu" or not shapes or getattr(_ACTIVE, "on", False)
         or per_thread * threads <= _POOL_SHARE * budget
+        or parameters < _POOL_PARAMETERS
     ):  # fmt: skip
         return False
     key = ("matmul pool", dtype, threads)
