@@ -455,16 +455,24 @@ def _cropped_backprop(
                                     reversed(sizes_out), strict=True):  # fmt: skip
             pads += [off, n_in - n_out - off]  # dx[i] = w g[i - off]
         scale = weight.reshape(1, -1, *([1] * dims))
-        return F.pad(folded, pads) * scale
-    pads = []
+        return (F.pad(folded, pads) if any(pads) else folded) * scale
+    # the zeros before and after each axis: the same on both sides goes to the
+    # convolution (no copy: padding a 4x4 map to 8x8 copied 4x the columns, and made
+    # the LRASPP's pass 2.3x slower than the whole kernel), the rest to ``F.pad``
+    pads, common = [], []
     for (a, b), p, d, n_in, n_out in zip(
         reversed(taps), reversed(padding), reversed(dilation), reversed(sizes_in),
         reversed(sizes_out), strict=True,
     ):  # fmt: skip
         before = (b - 1) * d - p
-        pads += [before, n_in + (b - 1 - a) * d - before - n_out]
+        after = n_in + (b - 1 - a) * d - before - n_out
+        both = max(0, min(before, after))
+        pads += [before - both, after - both]
+        common.insert(0, both)
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-    return conv(F.pad(folded, pads), _flipped(weight, groups), None, 1, 0, dilation, groups)
+    if any(pads):
+        folded = F.pad(folded, pads)
+    return conv(folded, _flipped(weight, groups), None, 1, common, dilation, groups)
 
 
 class ConvRule(LayerRule):
