@@ -39,11 +39,18 @@ def main() -> None:
         return
     if scenario == "set_up":  # the first call, its one-time set-up paid before
         # (which a call pays before its own baseline; the measure here starts earlier)
-        from ggnchunk._warmup import ensure_batched_autograd, warm_up_for
+        from ggnchunk._memory import parse_memory
+        from ggnchunk._warmup import (
+            ensure_batched_autograd,
+            ensure_matmul_pool,
+            warm_up_for,
+        )
 
         first = next(model.parameters())
         warm_up_for(model, first.dtype, first.device)
         ensure_batched_autograd()
+        parameters = sum(p.numel() for p in model.parameters())
+        ensure_matmul_pool(first.dtype, first.device, parse_memory(budget), parameters)
     elif scenario == "warm":
         ggnchunk.diag_ggn(model, loss_func, x[:2], y[:2], num_chunks=2)
     elif scenario == "after_large":

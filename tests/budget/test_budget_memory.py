@@ -5,8 +5,9 @@ environment (every ``MALLOC_*`` variable removed), in three scenarios: the first
 the process, after a small warm-up call, and after an earlier one-pass call (a
 notebook's previous cell, which leaves freed memory for the allocator to reuse). The peak
 is the kernel's own high-water mark above the resident set size just before the call, less
-the libraries' code the call paged in (a first call's one-time set-up); it must stay
-within the budget + 10%, and the result must equal an unbudgeted call.
+the call's one-time set-up (the libraries' code it paged in, and what it set up before
+its baseline: :func:`_counted`); it must stay within the budget + 10%, and the result
+must equal an unbudgeted call.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _run(problem: str, budget_mib: int, scenario: str, *more: str) -> dict | lis
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _counted(record: dict) -> float:
+    """A call's peak less its one-time set-up, which is not the budget's.
+
+    The libraries' code it paged in (shared, read-only) and what it set up before its
+    baseline (``GGNReport.setup_bytes``: the matrix products' buffer pool, torch.func's
+    machinery).
+    """
+    return record["peak_mib"] - max(record["code_mib"], record.get("setup_mib", 0.0))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("scenario", ["first", "warm", "after_large"])
@@ -52,7 +63,7 @@ def test_peak_memory_stays_within_the_budget(problem, budget_mib, scenario):
     record = _run(problem, budget_mib, scenario)
     # the code of the libraries a first call pages in (its one-time set-up, paid before
     # its baseline; shared and read-only) is not the call's memory: all else counts
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
+    assert _counted(record) <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record  # the budget forced chunking
     assert record["error"] < 1e-5, record
 
@@ -66,7 +77,7 @@ def test_the_benchmarks_warm_segmentation_call_stays_within_the_budget():
     columns were made dense before they were windowed; 22 MiB once they were not.
     """
     record = _run("segmentation", 48, "trimmed")
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 48, record
+    assert _counted(record) <= 1.1 * 48, record
     assert record["error"] < 1e-5, record
 
 
@@ -81,7 +92,7 @@ def test_auto_mode_stays_within_the_budget(scenario):
     margin where no blocks meet on unions; this worker measured 17-26 MiB.
     """
     record = _run("conv_ae_28_outpad", 30, scenario, "auto")
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * 30, record
+    assert _counted(record) <= 1.1 * 30, record
     assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
 
@@ -107,7 +118,7 @@ def test_frozen_layers_backprop_stays_within_the_budget(problem, budget_mib, sce
     is paid before its baseline (``set_up``).
     """
     record = _run(problem, budget_mib, scenario)
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
+    assert _counted(record) <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
 
@@ -138,7 +149,7 @@ def test_windowed_passes_with_groupnorm_fields_stay_within_the_budget(
     it.
     """
     record = _run(problem, budget_mib, scenario)
-    assert record["peak_mib"] - record["code_mib"] <= 1.1 * budget_mib, record
+    assert _counted(record) <= 1.1 * budget_mib, record
     assert record["passes"] > 1, record
     assert record["error"] < 1e-5, record
 
@@ -154,7 +165,7 @@ def test_a_first_call_with_glue_plans_as_a_warm_call():
     """
     first, second = _run("time_unet_32", 64, "twice")
     assert first["passes"] <= 1.25 * second["passes"] + 1, (first, second)
-    assert second["peak_mib"] - second["code_mib"] <= 1.1 * 64, (first, second)
+    assert _counted(second) <= 1.1 * 64, (first, second)
 
 
 FIRST_CALL_CASES = [("tutorial_conv_ae", 12), ("tutorial_conv_ae", 64), ("mlp_ae", 32)]
@@ -175,7 +186,7 @@ def test_the_first_call_plans_as_a_warm_call(problem, budget_mib):
     first, second = _run(problem, budget_mib, "twice")
     assert first["passes"] <= 1.25 * second["passes"] + 1, (first, second)
     for call in (first, second):
-        assert call["peak_mib"] - call["code_mib"] <= 1.1 * budget_mib, (first, second)
+        assert _counted(call) <= 1.1 * budget_mib, (first, second)
 
 
 _SET_UP = """
