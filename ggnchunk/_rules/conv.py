@@ -373,13 +373,12 @@ def _placed_taps(
     taps = patches.view(b, c, *kernel)
     result = patches.new_zeros(b, c, *shape[2:])
     inside, within = [], []
-    for size, k, d, p in zip(shape[2:], kernel, dilation, padding, strict=True):
-        first = -(-p // d)  # the first tap that reads the input, not the padding
-        last = min(k - 1, (size - 1 + p) // d)
-        if last < first:  # every tap reads the padding
+    reaching = _reaching_taps(shape[2:], (1,) * len(kernel), kernel, padding, dilation)
+    for (first, stop), d, p in zip(reaching, dilation, padding, strict=True):
+        if stop <= first:  # every tap reads the padding
             return result
-        inside.append(slice(first, last + 1))
-        within.append(slice(first * d - p, last * d - p + 1, d))
+        inside.append(slice(first, stop))
+        within.append(slice(first * d - p, (stop - 1) * d - p + 1, d))
     result[:, :, within[0], within[1]] = taps[:, :, inside[0], inside[1]]
     return result
 
