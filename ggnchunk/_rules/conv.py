@@ -339,6 +339,11 @@ def _patch_squares(
     return result if per_sample else result[0]
 
 
+MATRIX_BACKPROP = True
+"""Backprop 1x1 convolutions, and wider kernels between one-position maps, as matrix
+products (an internal switch, for side-by-side measurements: ``benchmarks.conv_matrix``)."""
+
+
 def _native(x: Tensor) -> bool:
     """Whether torch runs this convolution's backprop with its native CPU kernels.
 
@@ -455,6 +460,15 @@ def _cropped_backprop(
             pads += [off, n_in - n_out - off]  # dx[i] = w g[i - off]
         scale = weight.reshape(1, -1, *([1] * dims))
         return (F.pad(folded, pads) if any(pads) else folded) * scale
+    if groups == 1 and all(n == 1 for n in (*sizes_in, *sizes_out)):
+        # one position in and out (a deep stage on small images: ResNet-18's layer4 at
+        # 32x32): the tap that reads it is a matrix, one product (84 ms with the whole
+        # 3x3 kernel, 19 ms as a convolution with the tap, 5 ms as this, for 800 vectors
+        # of 512 channels)
+        rows = folded.reshape(folded.shape[0], -1)
+        return torch.mm(rows, weight.reshape(weight.shape[0], -1)).view(
+            folded.shape[0], -1, *sizes_in
+        )
     # the zeros before and after each axis: the same on both sides goes to the
     # convolution (no copy: padding a 4x4 map to 8x8 copied 4x the columns, and made
     # the LRASPP's pass 2.3x slower than the whole kernel), the rest to ``F.pad``
@@ -472,6 +486,55 @@ def _cropped_backprop(
     if any(pads):
         folded = F.pad(folded, pads)
     return conv(folded, _flipped(weight, groups), None, 1, common, dilation, groups)
+
+
+def _pointwise(module: nn.Module) -> bool:
+    """Whether a convolution's backprop is a channel mix (:func:`_pointwise_backprop`)."""
+    dims = module.weight.dim() - 2
+    return (
+        module.groups == 1 and module.padding_mode == "zeros"
+        and math.prod(module.kernel_size) == 1
+        and not any(p for pair in explicit_padding(module, dims) for p in pair)
+    )  # fmt: skip
+
+
+def _pointwise_backprop(
+    folded: Tensor, weight: Tensor, x_shape: torch.Size, stride: tuple[int, ...]
+) -> Tensor:
+    """The input gradient of a 1x1 convolution without groups or padding: a channel mix.
+
+    ``dx[c, i * s] = sum_o w[o, c] g[o, i]``, zero on the positions the stride skips.
+    As matrix products (oneDNN's convolution kernels ran these 2-5x slower on one
+    thread): with the channels last below 64 positions (one product over every
+    vector's positions), with the weight broadcast over the vectors from 64 positions
+    (one ``[C_in, C_out] @ [C_out, P]`` product per vector, no transposed copies).
+
+    Args:
+        folded: Gradients at the output ``[V*N, C_out, *out]``.
+        weight: ``[C_out, C_in, 1, ...]``.
+        x_shape: The layer's input shape ``[N, C_in, *in]``.
+        stride: Per axis.
+
+    Returns:
+        ``[V*N, C_in, *in]``.
+    """
+    rows, c_out, *out = folded.shape
+    c_in = x_shape[1]
+    matrix = weight.reshape(c_out, c_in)
+    positions = math.prod(out)
+    if positions == 1:
+        mixed = torch.mm(folded.reshape(rows, c_out), matrix).view(rows, c_in, *out)
+    elif positions < 64:
+        last = folded.movedim(1, -1).reshape(rows * positions, c_out)
+        mixed = torch.mm(last, matrix).view(rows, *out, c_in).movedim(-1, 1)
+    else:
+        mixed = torch.matmul(matrix.T, folded.reshape(rows, c_out, positions))
+        mixed = mixed.view(rows, c_in, *out)
+    if all(s == 1 for s in stride):
+        return mixed.contiguous()
+    result = folded.new_zeros(rows, c_in, *x_shape[2:])
+    result[(slice(None), slice(None), *(slice(None, None, s) for s in stride))] = mixed
+    return result
 
 
 class ConvRule(LayerRule):
@@ -624,6 +687,23 @@ class ConvRule(LayerRule):
                 patches.transpose(1, 2), x.shape[2:], kernel, dilation, padding, stride
             )
             return result.reshape(v, n, *x.shape[1:])
+        if MATRIX_BACKPROP and _pointwise(module):
+            # a 1x1 convolution (pointwise layers, ResNets' downsampling shortcuts)
+            return _pointwise_backprop(folded, weight, x.shape, stride).reshape(
+                v, n, *x.shape[1:]
+            )
+        if (
+            MATRIX_BACKPROP and module.groups == 1 and all(s == 1 for s in stride)
+            and math.prod(x.shape[2:]) == 1 and positions == 1
+        ):  # fmt: skip
+            # one position in and out (a 3x3 kernel on a deep stage's 1x1 maps): the
+            # tap that reads it, one matrix product (ResNet-18's layer4 at 32x32
+            # images: 5 ms for 800 vectors, 84 ms with the whole kernel)
+            taps = _reaching_taps(x.shape[2:], grads.shape[3:], kernel, padding, dilation)
+            if all(b - a <= 1 for a, b in taps):
+                return _cropped_backprop(
+                    folded, weight, 1, taps, padding, dilation, x.shape
+                ).reshape(v, n, *x.shape[1:])
         if weight.numel() > SMALL_WEIGHT:  # oneDNN's transposed convolution reorders
             # the weight (+9 MiB on ResNet-18's last stage): the input gradient kernel
             result = torch.ops.aten.convolution_backward(
@@ -795,15 +875,28 @@ class ConvRule(LayerRule):
     def _backprop_columns(ctx: RuleContext) -> int:
         """Elements per column of the backprop's workspace beyond its vectors."""
         module = ctx.module
+        extra = 0
+        if MATRIX_BACKPROP and _pointwise(
+            module
+        ):  # matrix products (:func:`_pointwise_backprop`)
+            positions = math.prod(ctx.out_shape[2:])
+            strided = any(s != 1 for s in as_tuple(module.stride, ctx.x.dim() - 2))
+            if 1 < positions < 64:  # the vectors with their channels last, and the
+                # product before its copy to channels first (or onto the strided map)
+                extra = math.prod(ctx.out_shape) + ctx.x.numel()
+            elif strided:  # the product before it is placed on the strided map
+                extra = ctx.x.numel()
+            # (and no less than the transposed convolution's workspace these layers
+            # took before: the margin a fragmented heap's budgets were measured with)
         if not (_native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT):
-            return 0
+            return extra
         # the native transposed convolution's columns: every kernel offset's map (a
         # large weight's input-gradient kernel takes twice the maps, counted already).
         # They are the workspace the bound's margin on maps stands for: counted once,
         # at their size
         kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
         columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
-        return math.ceil(columns * kernel / MAPS_MARGIN)
+        return max(extra, math.ceil(columns * kernel / MAPS_MARGIN))
 
     def column_bytes(self, ctx, element):
         # the products, then the backprop (its vectors counted by the sweep's bound at

@@ -11,6 +11,7 @@ so that it cannot fall off silently.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import pytest
@@ -712,3 +713,80 @@ def test_frozen_depthwise_layers_on_small_maps_match_brute_force(chunking, monke
         (8, 4, 5, 5),
         (8, 1, 5, 5),
     }, calls
+
+
+_DISPATCH_CASES = [
+    # (dims, cin, cout, kernel, stride, padding, dilation, size, vectors)
+    # 1x1 convolutions: one position, a few (channels last), many (weight broadcast)
+    (2, 6, 5, 1, 1, 0, 1, 1, 7),
+    (2, 6, 5, 1, 1, 0, 1, 3, 7),
+    (2, 5, 6, 1, 1, 0, 1, 9, 7),
+    (1, 4, 3, 1, 1, 0, 1, 70, 7),
+    (3, 3, 4, 1, 1, 0, 1, 4, 7),
+    # strided 1x1 (ResNets' downsampling shortcuts), odd and even sizes
+    (2, 4, 6, 1, 2, 0, 1, 8, 7),
+    (2, 4, 6, 1, 2, 0, 1, 3, 7),
+    (2, 4, 6, 1, 2, 0, 1, 2, 7),
+    (1, 3, 5, 1, 3, 0, 1, 200, 7),
+    (3, 2, 3, 1, (1, 2, 3), 0, 1, 5, 7),
+    (2, 3, 4, 1, 2, 0, 1, 17, 7),
+    # a wider kernel on one-position maps: the tap that reads it alone
+    (2, 6, 5, 3, 1, 1, 1, 1, 7),
+    (2, 6, 5, 5, 1, 2, 1, 1, 7),
+    (2, 6, 5, 3, 1, 2, 2, 1, 7),
+    (2, 6, 5, (3, 1), 1, (1, 0), 1, 1, 7),
+    (1, 6, 5, 3, 1, 1, 1, 1, 7),
+    (3, 3, 4, 3, 1, 1, 1, 1, 7),
+    # one tap per axis on a larger map (dilation past it): the general cropped path
+    (2, 3, 4, 3, 1, 3, 3, 2, 7),
+    # every tap reads padding: the input gets no gradient
+    (2, 3, 4, 2, 1, 2, 3, 1, 7),
+    # many vectors on a one-position map (past the few-vectors product)
+    (2, 8, 8, 3, 1, 1, 1, 1, 200),
+]
+
+
+@pytest.mark.parametrize(
+    ("dims", "cin", "cout", "kernel", "stride", "padding", "dilation", "size", "vectors"),
+    _DISPATCH_CASES,
+)
+def test_conv_backprop_matches_autograd_on_every_path(
+    dims, cin, cout, kernel, stride, padding, dilation, size, vectors, monkeypatch
+):
+    """``ConvRule.backprop`` as the sweep calls it, against autograd column by column.
+
+    1x1 convolutions take matrix products (positions one, few and many; strided ones
+    scatter onto the positions the stride reads); wider kernels on one-position maps
+    take the tap that reads the input. Float64, every column's input gradient.
+    """
+    from ggnchunk._rules import conv as conv_rules
+    from ggnchunk._rules.base import RuleContext
+
+    calls = []
+    for name in ("_pointwise_backprop", "_cropped_backprop"):
+        original = getattr(conv_rules, name)
+        monkeypatch.setattr(
+            conv_rules, name,
+            lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a),
+        )  # fmt: skip
+    torch.manual_seed(0)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](
+        cin, cout, kernel, stride, padding, dilation
+    ).double()
+    n = 2
+    x = torch.randn(n, cin, *([size] * dims), dtype=torch.float64)
+    out = conv(x)
+    ctx = RuleContext(conv, (x,), (x._version,), tuple(out.shape))
+    grads = torch.randn(vectors, *out.shape, dtype=torch.float64)
+    got = conv_rules.ConvRule().backprop(ctx, grads)
+    one_by_one = kernel == 1 and padding == 0
+    on_one_position = size == 1 and math.prod(out.shape[2:]) == 1
+    expected_path = (
+        ["_pointwise_backprop"] if one_by_one
+        else ["_cropped_backprop"] if on_one_position else []
+    )  # fmt: skip
+    assert calls == expected_path, calls
+    leaf = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(conv(leaf), leaf, grads, is_grads_batched=True)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
