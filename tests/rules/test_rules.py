@@ -223,6 +223,66 @@ def test_square_sum_forms_agree_with_a_plain_einsum(v, n, g, o, k, p):
     torch.testing.assert_close(square_sum(a, b, cache), expected, rtol=1e-12, atol=0)
 
 
+# the Gram form's shapes on few positions (where the blocks of columns are used)
+FEW_POSITIONS = [(50, 2, 1, 8, 9, 3), (100, 2, 2, 4, 20, 9), (37, 3, 1, 5, 30, 4),
+                 (64, 1, 3, 2, 12, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("v", "n", "g", "o", "k", "p"), FEW_POSITIONS)
+@pytest.mark.parametrize("layout", ["contiguous", "positions-not-last"])
+def test_gram_matrices_from_blocks_of_columns_agree_with_a_plain_einsum(
+    v, n, g, o, k, p, layout, monkeypatch
+):
+    """The Gram form's column blocks (uneven last block, any strides) are exact."""
+    from ggnchunk._rules import kernels
+
+    monkeypatch.setattr(kernels, "_BLOCKED_GRAM_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "BLOCK", 7 * n * g * o * p)  # 7 columns a block
+    blocks = []
+    original = kernels._blocked_gram
+    monkeypatch.setattr(
+        kernels, "_blocked_gram", lambda a: blocks.append(a.shape) or original(a)
+    )
+    torch.manual_seed(1)
+    a = torch.randn(v, n, g, o, p, dtype=torch.float64)
+    if layout == "positions-not-last":  # a Linear's columns on a sequence
+        a = torch.randn(v, n, g, p, o, dtype=torch.float64).transpose(3, 4)
+    b = torch.randn(n, g, k, p, dtype=torch.float64)
+    expected = torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+    got = square_sum(a, b)
+    assert blocks == [(v, n, g, o, p)]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    "chunking", [{}, {"num_chunks": 3}, {"chunk_size": 12}, {"max_memory": "64MiB"}]
+)
+def test_convolutions_with_gram_matrices_from_blocks_of_columns_are_exact(
+    chunking, monkeypatch
+):
+    """Per-pixel cross-entropy on 3x3 maps: the Gram form, from blocks of columns."""
+    from ggnchunk._rules import kernels
+
+    monkeypatch.setattr(kernels, "_BLOCKED_GRAM_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "BLOCK", 64)
+    blocks = []
+    original = kernels._blocked_gram
+    monkeypatch.setattr(
+        kernels, "_blocked_gram", lambda a: blocks.append(a.shape) or original(a)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 8, 3, padding=1, groups=2),
+        nn.Tanh(), nn.Conv2d(8, 4, 1),
+    ).double()  # fmt: skip
+    x = torch.randn(2, 3, 3, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (2, 3, 3))
+    loss_func = nn.CrossEntropyLoss()
+    got = ggnchunk.diag_ggn(model, loss_func, x, y, **chunking)
+    assert blocks, "the Gram form from blocks of columns did not run"
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, x, y), rtol=1e-9)
+
+
 def test_both_contraction_forms_are_chosen_somewhere():
     assert use_gram(100, 2, 1, 8, 9, 3) and not use_gram(1, 2, 1, 8, 9, 40)
 
