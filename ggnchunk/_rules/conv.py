@@ -875,10 +875,11 @@ class ConvRule(LayerRule):
     def _backprop_columns(ctx: RuleContext) -> int:
         """Elements per column of the backprop's workspace beyond its vectors."""
         module = ctx.module
+        # 1x1 convolutions' matrix products (:func:`_pointwise_backprop`), and no less
+        # than the transposed convolution's workspace below, which these layers took
+        # before (the margin a fragmented heap's budgets were measured with)
         extra = 0
-        if MATRIX_BACKPROP and _pointwise(
-            module
-        ):  # matrix products (:func:`_pointwise_backprop`)
+        if MATRIX_BACKPROP and _pointwise(module):
             positions = math.prod(ctx.out_shape[2:])
             strided = any(s != 1 for s in as_tuple(module.stride, ctx.x.dim() - 2))
             if 1 < positions < 64:  # the vectors with their channels last, and the
@@ -886,8 +887,6 @@ class ConvRule(LayerRule):
                 extra = math.prod(ctx.out_shape) + ctx.x.numel()
             elif strided:  # the product before it is placed on the strided map
                 extra = ctx.x.numel()
-            # (and no less than the transposed convolution's workspace these layers
-            # took before: the margin a fragmented heap's budgets were measured with)
         if not (_native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT):
             return extra
         # the native transposed convolution's columns: every kernel offset's map (a
