@@ -66,11 +66,8 @@ def _lraspp_frozen(n: int) -> tuple:
     """The benchmark's partly frozen LRASPP on 32x32 images (its 64x64 one takes ~100 s)."""
     from benchmarks.problems import lraspp_frozen
 
-    model, loss_func, x, y = lraspp_frozen()
-    return (
-        model.eval(), loss_func, x[:n, :, :32, :32].contiguous(),
-        y[:n, :32, :32].contiguous(),
-    )  # fmt: skip
+    model, loss_func, x, y = lraspp_frozen(side=32)
+    return model.eval(), loss_func, x[:n], y[:n]
 
 
 CASES = [

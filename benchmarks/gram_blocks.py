@@ -27,11 +27,8 @@ def _lraspp_frozen(side: int):
     def build(n: int) -> tuple:
         from benchmarks.problems import lraspp_frozen
 
-        model, loss_func, x, y = lraspp_frozen()
-        return (
-            model.eval(), loss_func, x[:n, :, :side, :side].contiguous(),
-            y[:n, :side, :side].contiguous(),
-        )  # fmt: skip
+        model, loss_func, x, y = lraspp_frozen(side=side)
+        return model.eval(), loss_func, x[:n], y[:n]
 
     return build
 

@@ -190,13 +190,14 @@ class _OutOnly(nn.Module):
         return self.model(x)["out"]
 
 
-def lraspp_frozen(scale: int = 1) -> Problem:
+def lraspp_frozen(scale: int = 1, side: int = 64) -> Problem:
     """Torchvision's LRASPP MobileNetV3-Large, partly frozen, 3 classes, per-pixel CE.
 
     ``lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)`` on
     ``[2, 3, 64, 64]`` (3·4,096 columns per image). The backbone's blocks 0–13 and every
     BatchNorm's affine parameters are frozen (eval mode: running statistics): the last
     three blocks and the head train, with frozen BatchNorms between their layers.
+    ``side``: the images' side (the A/B benchmarks' smaller rows).
     """
     import torchvision
 
@@ -209,8 +210,8 @@ def lraspp_frozen(scale: int = 1) -> Problem:
     for module in net.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.requires_grad_(False)
-    x = torch.randn(2 * scale, 3, 64, 64)
-    y = torch.randint(0, 3, (2 * scale, 64, 64))
+    x = torch.randn(2 * scale, 3, side, side)
+    y = torch.randint(0, 3, (2 * scale, side, side))
     return _OutOnly(net), nn.CrossEntropyLoss(), x, y
 
 
