@@ -662,6 +662,20 @@ class ConvRule(LayerRule):
         weight = module.weight.detach()
         positions = math.prod(grads.shape[3:])
         if (
+            MATRIX_BACKPROP and module.groups == 1 and all(s == 1 for s in stride)
+            and math.prod(x.shape[2:]) == 1 and positions == 1
+            and math.prod(kernel) > 1  # (1x1 kernels: the channel mix below)
+        ):  # fmt: skip
+            # one position in and out (a 3x3 kernel on a deep stage's 1x1 maps): the
+            # tap that reads it, one matrix product (ResNet-18's layer4 at 32x32
+            # images: 5 ms for 800 vectors, 84 ms with the whole kernel; before the few
+            # vectors' product below, which makes every tap's patches: 9x the work)
+            taps = _reaching_taps(x.shape[2:], grads.shape[3:], kernel, padding, dilation)
+            if all(b - a <= 1 for a, b in taps):
+                return _cropped_backprop(
+                    folded, weight, 1, taps, padding, dilation, x.shape
+                ).reshape(v, n, *x.shape[1:])
+        if (
             dims == 2 and module.groups == 1
             and v * n * positions * weight[0].numel() <= weight.numel()
         ):  # fmt: skip
@@ -692,18 +706,6 @@ class ConvRule(LayerRule):
             return _pointwise_backprop(folded, weight, x.shape, stride).reshape(
                 v, n, *x.shape[1:]
             )
-        if (
-            MATRIX_BACKPROP and module.groups == 1 and all(s == 1 for s in stride)
-            and math.prod(x.shape[2:]) == 1 and positions == 1
-        ):  # fmt: skip
-            # one position in and out (a 3x3 kernel on a deep stage's 1x1 maps): the
-            # tap that reads it, one matrix product (ResNet-18's layer4 at 32x32
-            # images: 5 ms for 800 vectors, 84 ms with the whole kernel)
-            taps = _reaching_taps(x.shape[2:], grads.shape[3:], kernel, padding, dilation)
-            if all(b - a <= 1 for a, b in taps):
-                return _cropped_backprop(
-                    folded, weight, 1, taps, padding, dilation, x.shape
-                ).reshape(v, n, *x.shape[1:])
         if weight.numel() > SMALL_WEIGHT:  # oneDNN's transposed convolution reorders
             # the weight (+9 MiB on ResNet-18's last stage): the input gradient kernel
             result = torch.ops.aten.convolution_backward(

@@ -741,8 +741,10 @@ _DISPATCH_CASES = [
     (2, 3, 4, 3, 1, 3, 3, 2, 7),
     # every tap reads padding: the input gets no gradient
     (2, 3, 4, 2, 1, 2, 3, 1, 7),
-    # many vectors on a one-position map (past the few-vectors product)
+    # many vectors on a one-position map (past the few-vectors product), and few (the
+    # tap's product before the few vectors' product of every tap's patches)
     (2, 8, 8, 3, 1, 1, 1, 1, 200),
+    (2, 6, 8, 3, 1, 1, 1, 1, 1),
 ]
 
 
