@@ -669,12 +669,13 @@ class ConvRule(LayerRule):
             # one position in and out (a 3x3 kernel on a deep stage's 1x1 maps): the
             # tap that reads it, one matrix product (ResNet-18's layer4 at 32x32
             # images: 5 ms for 800 vectors, 84 ms with the whole kernel; before the few
-            # vectors' product below, which makes every tap's patches: 9x the work)
+            # vectors' product below, which makes every tap's patches: 9x the work).
+            # At stride 1 at most one tap per axis reads the one input from the one
+            # output (``t * d == p``)
             taps = _reaching_taps(x.shape[2:], grads.shape[3:], kernel, padding, dilation)
-            if all(b - a <= 1 for a, b in taps):
-                return _cropped_backprop(
-                    folded, weight, 1, taps, padding, dilation, x.shape
-                ).reshape(v, n, *x.shape[1:])
+            return _cropped_backprop(
+                folded, weight, 1, taps, padding, dilation, x.shape
+            ).reshape(v, n, *x.shape[1:])
         if (
             dims == 2 and module.groups == 1
             and v * n * positions * weight[0].numel() <= weight.numel()
