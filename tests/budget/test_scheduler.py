@@ -775,6 +775,32 @@ def test_auto_with_a_known_bound_starts_cache_friendly_and_climbs(best):
     ggnchunk.clear_autotune_cache()
 
 
+@pytest.mark.parametrize("total", [300, 511, 513, 700])
+def test_auto_runs_a_rest_too_small_to_tune_in_one_chunk(total):
+    """Where the rest holds at most two chunks of the first size, nothing can be compared:
+    auto runs it in one chunk if it fits, as budget mode would (the tutorial autoencoder
+    ran 1 + 1024 + 2047 columns in auto mode where budget mode ran 1 + 3071)."""
+    ggnchunk.clear_autotune_cache()
+    sim = _Timed(_u_shaped(64), fixed=MiB, per_index=2**16)  # 256 indices in 16 MiB
+    _, report = ChunkScheduler(chunk_size="auto", max_memory="4GiB", tracker=sim).run(
+        total, sim.run, cost=(MiB, 2**16)
+    )
+    sizes = [c.stop - c.start for c in report.chunks]
+    if total - 1 <= 2 * 256:  # after the first index: the rest in one chunk
+        assert sizes == [1, total - 1], sizes
+    else:  # room to compare: the search runs (its first size is the cache-friendly one)
+        assert sizes[:2] == [1, 256], sizes
+    # a budget that holds only part of the rest: never above what the memory allows
+    ggnchunk.clear_autotune_cache()
+    sim = _Timed(_u_shaped(64), fixed=MiB, per_index=2**16)
+    _, report = ChunkScheduler(chunk_size="auto", max_memory="24MiB", tracker=sim).run(
+        total, sim.run, cost=(MiB, 2**16)
+    )
+    sizes = [c.stop - c.start for c in report.chunks]
+    assert max(MiB + s * 2**16 for s in sizes) <= 24 * MiB, sizes
+    ggnchunk.clear_autotune_cache()
+
+
 # -- memory backends and the autotune cache (issue 18) ----------------------------------
 @pytest.mark.parametrize("kind", ["mps", "xpu", "meta"])
 def test_a_device_without_a_memory_backend_is_refused_for_budgets(kind):
