@@ -3,20 +3,21 @@
 ``python -m benchmarks [--quick] [--only NAME ...] [--threads 1 0] [--device cuda]``
 
 For every problem of :data:`benchmarks.problems.DEFAULT_PROBLEMS` (issue 13's rows) it
-measures BackPACK's ``DiagGGNExact`` in one pass, ggnchunk with a memory budget of 10% of
-that pass's measured extra memory (where BackPACK cannot run the problem: a fixed budget
-for the U-Net, 300 MiB as in issue 10, else 10% of ggnchunk's one pass),
+measures BackPACK's ``DiagGGNExact`` in one pass, ggnchunk with a memory budget of 10%
+of that pass's measured extra memory (where BackPACK cannot run the problem: a fixed
+budget for the U-Net, 300 MiB as in issue 10, else 10% of ggnchunk's one pass),
 ggnchunk's auto mode within the same budget, and ggnchunk in one pass. Every
 configuration runs in fresh processes: one for the time (the process's first call, as a
-script that calls once meets it: imports, model and data are ready before it, whatever the
-method sets up at its first call is inside; then the median of ``--repeats`` warm calls;
-the floating-point operations are counted with ``torch.utils.flop_counter`` on an extra,
-untimed call), one for the peak memory (the first call, and a warm call after the freed
-heap went back to the OS; the kernel's own peak RSS above the level before the call, the
-allocator as users have it: no ``MALLOC_*`` variables), and in full runs one more for the
-same warm peak with glibc's mmap threshold pinned (the repeatable figure). ``--quick``
-measures memory (the first call's time too) and then time in one process, 1 repeat, and
-leaves out :data:`benchmarks.problems.QUICK_SKIPPED` unless ``--only`` names them.
+script that calls once meets it: imports, model and data are ready before it, whatever
+the method sets up at its first call is inside; then the median of ``--repeats`` warm
+calls, more for short calls until 0.5 s of them; the floating-point operations are
+counted with ``torch.utils.flop_counter`` on an extra, untimed call), one for the peak
+memory (the first call, and a warm call after the freed heap went back to the OS; the
+kernel's own peak RSS above the level before the call, the allocator as users have it:
+no ``MALLOC_*`` variables), and in full runs one more for the same warm peak with
+glibc's mmap threshold pinned (the repeatable figure). ``--quick`` measures memory (the
+first call's time too) and then time in one process, 1 repeat (more for short calls),
+and leaves out :data:`benchmarks.problems.QUICK_SKIPPED` unless ``--only`` names them.
 
 A float32 matmul peak is measured in the same run with the same threads (before and after
 the configurations; the higher counts). Writes, per device and thread count,

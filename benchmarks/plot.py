@@ -473,7 +473,8 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
         f"(same run, same threads).{load_text}{wall}"
     )
     method = (
-        f"Time: {mode}median of {env.get('repeats', 3)} warm call(s) after a warm-up call, "
+        f"Time: {mode}median of {env.get('repeats', 3)} warm call(s) (more for short "
+        "calls, until 0.5 s of them, at most 15) after a warm-up call, "
         "in a fresh process per configuration. Peak: extra resident memory above the "
         "level before the call (kernel peak RSS, `VmHWM`), "
         + (

@@ -288,7 +288,12 @@ def test_the_first_call_is_timed_with_its_set_up_and_no_flop_counter(mode, monke
                              peak="hwm")  # fmt: skip
     assert calls[0] == 0  # no FLOP counter (a dispatch mode) around the first call
     assert record["first_call_plain"] and record["first_call_s"] >= 0.5
-    assert max(record["times_s"]) < 0.5 <= record["first_call_s"]
+    times = record["times_s"]
+    assert max(times) < 0.5 <= record["first_call_s"]
+    # short calls are repeated beyond ``repeats`` until MIN_TIMED_S of them (or the cap)
+    assert 2 < len(times) <= runner.MAX_REPEATS
+    assert len(times) == runner.MAX_REPEATS or sum(times) >= runner.MIN_TIMED_S
+    assert sum(times[:-1]) < runner.MIN_TIMED_S  # and no further
     assert record["flops"] > 0 and calls[-1] == 1  # counted on an extra call
 
 
