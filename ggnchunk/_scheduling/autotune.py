@@ -95,7 +95,9 @@ def tune(
     (every trial is checked like any chunk); where the first doubling was slower, the
     size halves instead while that is faster. The largest size within ``_TIE`` of the
     fastest rate is chosen (fewer passes for equal speed). The trials are real work
-    (nothing is computed twice) and stay within ``_TRIAL_SHARE`` of the range.
+    (nothing is computed twice) and stay within ``_TRIAL_SHARE`` of the range; where
+    that share cannot hold the first size and its double, nothing is timed and the rest
+    runs as budget mode runs it (in one chunk where the memory allows).
 
     Args:
         planner: The run's budget planner (its executor runs the trials).
@@ -117,9 +119,10 @@ def tune(
     else:
         size = max(1, min(size_max, 2))
     limit = size_max if bounded else total
-    if remaining <= 2 * size:  # too small to compare sizes: the rest in one chunk
-        # where the memory allows (nothing to tune, one pass's fixed costs saved: the
-        # tutorial autoencoder ran 1024 + 2047 columns where budget mode ran 3071)
+    if 3 * size > allowance:  # the trials cannot hold this size and its double, so
+        # nothing can be compared: no trial, the rest in one chunk where the memory
+        # allows, as budget mode runs it (the tutorial autoencoder's 3071 columns ran as
+        # 1024 + 2047 where budget mode ran one chunk; a timed chunk, then growth)
         return start, max(size, min(remaining, size_max)), False
     tried: dict[int, float] = {}
     state = {"start": start, "used": 0, "allowed": limit}
