@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
     "BatchNormBase",
+    "active_modes",
     "Edge",
     "Gather",
     "GradientEdge",
@@ -75,6 +76,25 @@ _HARMLESS = (
     # torch's own notice when a module's inputs do not require grad.
     r"Full backward hook is firing when gradients are computed with respect to module",
 )
+
+
+def active_modes() -> tuple[str, ...]:
+    """Names of the Python dispatch modes active now (``FlopCounterMode``, debug modes).
+
+    Every operation under such a mode runs through Python and can allocate and take
+    time differently: a budgeted ResNet-18 under ``FlopCounterMode`` cut its chunks to
+    82 passes where plain calls ran 18, and the cut, remembered, held the next plain
+    call to 100 passes. What is measured under a mode is remembered apart.
+
+    Returns:
+        The modes' class names, innermost last (empty where none is active, or where
+        this torch has no such stack).
+    """
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    except ImportError:  # pragma: no cover - a torch without the private stack
+        return ()
+    return tuple(type(mode).__qualname__ for mode in _get_current_dispatch_mode_stack())
 
 
 @contextlib.contextmanager
