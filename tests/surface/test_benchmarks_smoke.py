@@ -297,6 +297,24 @@ def test_the_first_call_is_timed_with_its_set_up_and_no_flop_counter(mode, monke
     assert record["flops"] > 0 and calls[-1] == 1  # counted on an extra call
 
 
+def test_the_records_passes_are_the_timed_calls_not_the_counted_ones(monkeypatch):
+    """A call under the FLOP counter can plan otherwise: its passes are kept apart."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from benchmarks import runner
+    from benchmarks.methods import ggnchunk_method
+
+    def planned(model, loss_func, inputs, targets):
+        diag, info = ggnchunk_method(model, loss_func, inputs, targets, num_chunks=1)
+        counted = bool(_get_current_dispatch_mode_stack())
+        return diag, {**info, "passes": 80 if counted else 18}
+
+    monkeypatch.setitem(runner.METHODS, "planned", planned)
+    record = runner.run_here("tiny_mlp_ae", "planned", {}, "time", repeats=1, flops=True)
+    assert record["passes"] == 18 and record["flops_passes"] == 80
+    assert record["flops"] > 0
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_flop_counter_counts_a_grouped_convolution_as_its_groups(groups, transposed):
