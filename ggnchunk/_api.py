@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _scheduling, _windows
-from ggnchunk._autograd import active_modes
 from ggnchunk._checks import Batch, check_batch, check_positive_int
 from ggnchunk._distributed import rank_and_size, resolve_group
 from ggnchunk._engine import (
@@ -259,7 +258,6 @@ def _cache_key(problem: Problem, batch: Batch) -> tuple:
         structure, type(loss).__name__, getattr(loss, "reduction", None), shapes,
         problem.dtype, str(problem.device), torch.get_num_threads(),
         _windows.ENABLED,  # the two paths' chunks cost differently: remembered apart
-        active_modes(),  # a FlopCounterMode's memory and time are not a plain call's
     )  # fmt: skip
 
 

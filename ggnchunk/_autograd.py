@@ -83,8 +83,8 @@ def active_modes() -> tuple[str, ...]:
 
     Every operation under such a mode runs through Python and can allocate and take
     time differently: a budgeted ResNet-18 under ``FlopCounterMode`` cut its chunks to
-    82 passes where plain calls ran 18, and the cut, remembered, held the next plain
-    call to 100 passes. What is measured under a mode is remembered apart.
+    80 passes where plain calls ran 18, and the cut, remembered, held the next plain
+    call to 100 passes. What is measured under a mode is not remembered.
 
     Returns:
         The modes' class names, innermost last (empty where none is active, or where

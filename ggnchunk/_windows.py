@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ggnchunk._autograd import active_modes
+
 __all__ = [
     "ENABLED",
     "Choice",
@@ -152,7 +154,9 @@ class Choice:
             windowed: Whether they carry windows.
         """
         self.choice = windowed
-        if self.key is not None:
+        # a trial under a dispatch mode (every operation through Python) is not
+        # remembered for plain calls: it times the mode as much as the paths
+        if self.key is not None and not active_modes():
             _DECIDED[self.key] = self.choice
             _DECIDED.move_to_end(self.key)
             while len(_DECIDED) > _DECIDED_SIZE:

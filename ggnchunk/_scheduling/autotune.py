@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from ggnchunk._autograd import active_modes
 from ggnchunk._memory import MiB
 from ggnchunk._scheduling.budget import BudgetPlanner, Decision
 
@@ -49,11 +50,17 @@ class AutotuneCache:
     def put(self, key: Hashable | None, decision: Decision) -> None:
         """Remember ``decision`` under ``key`` (nothing for ``None``).
 
+        Nothing is remembered from a call under a Python dispatch mode
+        (:func:`~ggnchunk._autograd.active_modes`): it reads the plain calls' decisions
+        (a ``FlopCounterMode`` then counts what they run) but its own measurements are
+        not theirs (a budgeted ResNet-18 cut its chunks to 80 passes under the counter,
+        and the remembered cut held the next plain call to 100 passes, 18 before).
+
         Args:
             key: The key.
             decision: The decision.
         """
-        if key is None:
+        if key is None or active_modes():
             return
         self._entries[key] = decision
         self._entries.move_to_end(key)

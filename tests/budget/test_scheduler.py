@@ -817,13 +817,15 @@ class _Hoarding(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def test_calls_under_a_dispatch_mode_are_remembered_apart():
-    """A call under a dispatch mode plans for itself, remembered apart.
+def test_calls_under_a_dispatch_mode_store_no_decisions():
+    """A call under a dispatch mode reads the plain calls' decisions, and stores none.
 
     Under ``FlopCounterMode`` every operation runs through Python: a budgeted ResNet-18
-    cut its chunks to 82 passes there, and the remembered cut held the next plain call
+    cut its chunks to 80 passes there, and the remembered cut held the next plain call
     to 100 passes (18 before).
     """
+    from torch.utils.flop_counter import FlopCounterMode
+
     from ggnchunk._scheduling.autotune import CACHE
 
     ggnchunk.clear_autotune_cache()
@@ -843,10 +845,20 @@ def test_calls_under_a_dispatch_mode_are_remembered_apart():
     assert len(CACHE) == 1
     with _Hoarding():  # memory kept by the mode: the chunks are cut
         hoarded = passes()
-    assert len(CACHE) == 2  # its own decision, beside the plain calls'
-    assert hoarded > 4 * plain
+    assert hoarded > 4 * plain  # cut within the call, as always
+    assert len(CACHE) == 1  # and not remembered
     assert passes() == plain  # the plain calls' plan, not the cut one
-    assert len(CACHE) == 2
+    assert len(CACHE) == 1
+    # the windows-or-dense trial's outcome: read under a mode, stored only outside one
+    from ggnchunk import _windows
+
+    with FlopCounterMode(display=False):
+        _windows.Choice("toy").settle(False)
+        assert _windows.Choice("toy").choice is None
+    _windows.Choice("toy").settle(True)
+    with FlopCounterMode(display=False):
+        read = _windows.Choice("toy")
+        assert read.choice is True and read.remembered
     ggnchunk.clear_autotune_cache()
 
 
