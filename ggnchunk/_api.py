@@ -269,7 +269,8 @@ def clear_autotune_cache() -> None:
     problem (model structure, loss, shapes, dtype, device, threads), so that later calls
     on the same problem skip the measuring. Clear them after changing something these
     keys do not see (the machine's load, the allocator's settings) or for timings that
-    include the measuring.
+    include the measuring. A call under a Python dispatch mode (``FlopCounterMode``, a
+    debug mode) reads them and stores none: what it measures is the mode's cost too.
     """
     _scheduling.clear_autotune_cache()
     _windows.forget_choices()

@@ -6,6 +6,7 @@ peak memory under a budget is measured in fresh processes in test_budget_memory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -822,33 +823,33 @@ def test_calls_under_a_dispatch_mode_store_no_decisions():
 
     Under ``FlopCounterMode`` every operation runs through Python: a budgeted ResNet-18
     cut its chunks to 80 passes there, and the remembered cut held the next plain call
-    to 100 passes (18 before).
+    to 100 passes (18 before). Simulated memory, as diag_ggn schedules (a known bound):
+    under the mode each index takes three times what the bound says.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     from ggnchunk._scheduling.autotune import CACHE
 
     ggnchunk.clear_autotune_cache()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256))
-    x, y = torch.randn(64, 64), torch.randn(64, 256)
 
-    def passes(**kwargs):
+    def sizes(per_index, mode=None):
+        sim = SimulatedMemory(fixed=MiB, per_index=per_index)
+        scheduler = ChunkScheduler(max_memory="64MiB", tracker=sim, cache_key="toy")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ggnchunk.MemoryBudgetWarning)
-            _, report = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, return_report=True,
-                                          max_memory="24MiB", **kwargs)  # fmt: skip
-        return report.num_passes
+            with mode if mode is not None else contextlib.nullcontext():
+                total, report = scheduler.run(200, sim.run, baseline=0, cost=(MiB, MiB))
+        assert total.item() == sum(range(200))
+        return [c.stop - c.start for c in report.chunks]
 
-    passes()  # a first call (on a fresh heap: it starts from half the bound's size)
-    plain = passes()
+    sizes(MiB)  # a first call (it starts from half the bound's size)
+    plain = sizes(MiB)
     assert len(CACHE) == 1
-    with _Hoarding():  # memory kept by the mode: the chunks are cut
-        hoarded = passes()
-    assert hoarded > 4 * plain  # cut within the call, as always
+    hoarded = sizes(3 * MiB, _Hoarding())  # more memory under the mode: cut chunks
+    assert len(hoarded) > 2 * len(plain)
     assert len(CACHE) == 1  # and not remembered
-    assert passes() == plain  # the plain calls' plan, not the cut one
-    assert len(CACHE) == 1
+    assert sizes(MiB) == plain  # the plain calls' plan, not the cut one
+    assert sizes(3 * MiB, FlopCounterMode(display=False))[:2] == plain[:2]  # read
     # the windows-or-dense trial's outcome: read under a mode, stored only outside one
     from ggnchunk import _windows
 
