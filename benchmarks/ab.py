@@ -299,3 +299,34 @@ def main(
     record = {"environment": setting, "rows": found}
     table_ = make_table(found, setting)
     write(Path(args.out), name, record, table_, lambda path: plot(found, path))
+
+
+def switch_main(
+    argv: list[str] | None, doc: str, name: str, repeats: int, module: str,
+    switch: str, names: tuple[str, str], cases: list[tuple], title: str, ratio: str,
+) -> None:  # fmt: skip
+    """:func:`main` for the common shape: one switch, a row per case, bars per row.
+
+    Args:
+        argv: The arguments (``sys.argv[1:]`` where ``None``).
+        doc: The benchmark's docstring.
+        name: The files' stem.
+        repeats: The default of ``--repeats``.
+        module: The dotted name of the module holding the switch (imported when run).
+        switch: The switch's name.
+        names: The two paths' names, off first.
+        cases: The cases (:func:`case_row`).
+        title: The table's title.
+        ratio: The ratio column's header.
+    """
+    import importlib
+
+    def rows(k: int) -> list[dict]:
+        holder = importlib.import_module(module)
+        return [case_row(holder, switch, names, case, k) for case in cases]
+
+    def make_table(found: list[dict], setting: dict) -> str:
+        return table(title, "", setting, found, names, (*names, ratio), batch=True)
+
+    main(argv, doc, name, repeats, rows, make_table,
+         lambda found, path: batch_bars(found, names, path))  # fmt: skip

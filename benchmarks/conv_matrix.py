@@ -16,8 +16,6 @@ Writes ``conv_matrix.json``, ``conv_matrix.md`` and ``conv_matrix.png`` into ``-
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from benchmarks import ab
 
 NAMES = ("convolution kernels", "matrix products")  # the switch off, then on
@@ -84,26 +82,20 @@ CASES = [
 ]  # fmt: skip
 
 
-def _rows(repeats: int) -> list[dict]:
-    from ggnchunk._rules import conv
-
-    return [ab.case_row(conv, "MATRIX_BACKPROP", NAMES, case, repeats) for case in CASES]
-
-
-def _table(rows: list[dict], environment: dict) -> str:
-    return ab.table(
-        "Convolutions' backprop as matrix products (issue 21)", "", environment, rows,
-        NAMES, (*NAMES, "kernels / products"), batch=True,
-    )  # fmt: skip
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    ab.batch_bars(rows, NAMES, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    ab.main(argv, __doc__, "conv_matrix", 2, _rows, _table, _plot)
+    ab.switch_main(
+        argv,
+        __doc__,
+        "conv_matrix",
+        2,
+        module="ggnchunk._rules.conv",
+        switch="MATRIX_BACKPROP",
+        names=NAMES,
+        cases=CASES,
+        title="Convolutions' backprop as matrix products (issue 21)",
+        ratio="kernels / products",
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ Writes ``gram_blocks.json``, ``gram_blocks.md`` and ``gram_blocks.png`` into ``-
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from benchmarks import ab
 
 NAMES = ("one product", "blocks of columns")  # the switch off, then on
@@ -58,26 +56,20 @@ CASES = [
 ]  # fmt: skip
 
 
-def _rows(repeats: int) -> list[dict]:
-    from ggnchunk._rules import kernels
-
-    return [ab.case_row(kernels, "BLOCKED_GRAM", NAMES, case, repeats) for case in CASES]
-
-
-def _table(rows: list[dict], environment: dict) -> str:
-    return ab.table(
-        "Gram matrices of few positions from blocks of columns (issue 21)", "",
-        environment, rows, NAMES, (*NAMES, "one / blocks"), batch=True,
-    )  # fmt: skip
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    ab.batch_bars(rows, NAMES, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    ab.main(argv, __doc__, "gram_blocks", 2, _rows, _table, _plot)
+    ab.switch_main(
+        argv,
+        __doc__,
+        "gram_blocks",
+        2,
+        module="ggnchunk._rules.kernels",
+        switch="BLOCKED_GRAM",
+        names=NAMES,
+        cases=CASES,
+        title="Gram matrices of few positions from blocks of columns (issue 21)",
+        ratio="one / blocks",
+    )
 
 
 if __name__ == "__main__":

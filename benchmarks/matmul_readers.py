@@ -19,8 +19,6 @@ Writes ``matmul_readers.json``, ``matmul_readers.md`` and ``matmul_readers.png``
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from benchmarks import ab
 from benchmarks.param_parts import _decoder
 
@@ -129,28 +127,20 @@ CASES = [
 ]  # fmt: skip
 
 
-def _rows(repeats: int) -> list[dict]:
-    from ggnchunk._graph import readers
-
-    return [
-        ab.case_row(readers, "READ_FOLDED_PRODUCTS", NAMES, case, repeats) for case in CASES
-    ]
-
-
-def _table(rows: list[dict], environment: dict) -> str:
-    return ab.table(
-        "Weights of the glue's matrix products read per sample (issue 21)", "",
-        environment, rows, NAMES, (*NAMES, "per sample / read"), batch=True,
-    )  # fmt: skip
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    ab.batch_bars(rows, NAMES, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    ab.main(argv, __doc__, "matmul_readers", 1, _rows, _table, _plot)
+    ab.switch_main(
+        argv,
+        __doc__,
+        "matmul_readers",
+        1,
+        module="ggnchunk._graph.readers",
+        switch="READ_FOLDED_PRODUCTS",
+        names=NAMES,
+        cases=CASES,
+        title="Weights of the glue's matrix products read per sample (issue 21)",
+        ratio="per sample / read",
+    )
 
 
 if __name__ == "__main__":

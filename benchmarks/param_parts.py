@@ -19,8 +19,6 @@ Writes ``param_parts.json``, ``param_parts.md`` and ``param_parts.png`` into ``-
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from benchmarks import ab
 
 NAMES = ("one pass per sample", "read per sample")  # the switch off, then on
@@ -115,26 +113,20 @@ CASES = [
 ]  # fmt: skip
 
 
-def _rows(repeats: int) -> list[dict]:
-    from ggnchunk._graph import readers
-
-    return [ab.case_row(readers, "READ_PARTS", NAMES, case, repeats) for case in CASES]
-
-
-def _table(rows: list[dict], environment: dict) -> str:
-    return ab.table(
-        "Parts of parameters read per sample (issue 21)", "", environment,
-        rows, NAMES, (*NAMES, "per sample / read"), batch=True,
-    )  # fmt: skip
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    ab.batch_bars(rows, NAMES, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    ab.main(argv, __doc__, "param_parts", 1, _rows, _table, _plot)
+    ab.switch_main(
+        argv,
+        __doc__,
+        "param_parts",
+        1,
+        module="ggnchunk._graph.readers",
+        switch="READ_PARTS",
+        names=NAMES,
+        cases=CASES,
+        title="Parts of parameters read per sample (issue 21)",
+        ratio="per sample / read",
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ Writes ``per_sample.json``, ``per_sample.md`` and ``per_sample.png`` into ``--ou
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from benchmarks import ab
 
 NAMES = ("products squared", "shortcut")  # the switch off, then on
@@ -58,29 +56,20 @@ CASES = [
 ]  # fmt: skip
 
 
-def _rows(repeats: int) -> list[dict]:
-    from ggnchunk import _quantities
-
-    return [
-        ab.case_row(_quantities, "PER_SAMPLE_SHORTCUTS", NAMES, case, repeats)
-        for case in CASES
-    ]
-
-
-def _table(rows: list[dict], environment: dict) -> str:
-    return ab.table(
-        "Per-sample diagonals of linear layers by their shortcut (issue 21)", "",
-        environment, rows, NAMES, (*NAMES, "squared / shortcut"), batch=True,
-    )  # fmt: skip
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    ab.batch_bars(rows, NAMES, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and write the JSON, the table and the plot."""
-    ab.main(argv, __doc__, "per_sample", 2, _rows, _table, _plot)
+    ab.switch_main(
+        argv,
+        __doc__,
+        "per_sample",
+        2,
+        module="ggnchunk._quantities",
+        switch="PER_SAMPLE_SHORTCUTS",
+        names=NAMES,
+        cases=CASES,
+        title="Per-sample diagonals of linear layers by their shortcut (issue 21)",
+        ratio="squared / shortcut",
+    )
 
 
 if __name__ == "__main__":

@@ -359,3 +359,39 @@ def test_flop_counter_counts_in_place_products_as_out_of_place_ones(batched):
     with flop_counter() as counted:
         out.baddbmm_(a, b) if batched else out.addmm_(a, b)
     assert counted.get_total_flops() == stock.get_total_flops() > 0
+
+
+def test_a_switch_benchmark_writes_its_json_table_and_plot(tmp_path):
+    """``ab.switch_main``: the A/B benchmarks' shared command line, on a toy case."""
+    from torch import nn
+
+    from benchmarks import (
+        ab,
+        conv_matrix,
+        gram_blocks,
+        matmul_readers,
+        param_parts,
+        per_sample,
+    )
+
+    def build(n):
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5)
+        )
+        return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 8, 8), torch.randint(5, (n,))
+
+    ab.switch_main(
+        ["--quick", "--out", str(tmp_path)], "A toy.\n", "toy", 1,
+        module="ggnchunk._rules.kernels", switch="BLOCKED_GRAM", names=("off", "on"),
+        cases=[("toy", "Toy", build, 2, {})], title="Toy comparison", ratio="off / on",
+    )  # fmt: skip
+    record = json.loads((tmp_path / "toy.json").read_text())
+    (row,) = record["rows"]
+    assert row["name"] == "toy N=2" and row["max_relative_gap_float32"] < 1e-5
+    assert "Toy comparison" in (tmp_path / "toy.md").read_text()
+    assert (tmp_path / "toy.png").stat().st_size > 0
+    from ggnchunk._rules import kernels
+
+    assert kernels.BLOCKED_GRAM  # the switch is left as it was
+    for module in (conv_matrix, gram_blocks, matmul_readers, param_parts, per_sample):
+        assert module.CASES and all(len(case) == 5 for case in module.CASES)
