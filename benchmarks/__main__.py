@@ -228,8 +228,13 @@ class Bench:
         params: dict,
         reference: list | None = None,
         budget: dict | None = None,
+        interleave: dict | None = None,
     ) -> dict:
         """Time and peak memory of one configuration, each in a fresh process.
+
+        ``interleave``: params of another configuration of the same method, timed
+        alternately with this one in the timing process (:func:`~benchmarks.runner.
+        time_interleaved`), for a ratio free of the drift between processes.
 
         With ``--resume``, a record this folder already holds is kept unless it timed
         out or had other parameters (a budget derived from a row measured again).
@@ -256,6 +261,7 @@ class Bench:
                 repeats=self.repeats,
                 flops=True,
                 pin_mmap=False,
+                interleave=interleave,
                 **memory_kw,
                 **kw,
             )
@@ -275,6 +281,7 @@ class Bench:
                     repeats=self.repeats,
                     flops=True,
                     pin_mmap=False,
+                    interleave=interleave,
                     **kw,
                 )
             )
@@ -317,6 +324,7 @@ class Bench:
             "columns",
             "threads",
             "load_average",
+            "interleaved",
         ):
             if key in timing:
                 record[key] = timing[key]
@@ -410,6 +418,7 @@ class Bench:
             {"chunk_size": "auto", "max_memory": limit},
             reference,
             budget,
+            interleave={"max_memory": limit},  # auto against budget mode, alternated
         )
         if self.args.extra:
             for label, method, params in extra_configurations(problem, self.quick):

@@ -85,6 +85,41 @@ MIN_TIMED_S = 0.5
 """Warm calls are repeated (beyond ``repeats``) until they took this long in all."""
 MAX_REPEATS = 15
 """At most this many warm calls where :data:`MIN_TIMED_S` asks for more."""
+MAX_ROUNDS = 8
+"""At most this many rounds of an interleaved comparison (:func:`time_interleaved`)."""
+
+
+def time_interleaved(call: Callable, other: Callable, rounds: int = 1) -> dict:
+    """Time two warm calls alternately in this process; the ratio of their medians.
+
+    Ratios between separate processes carry the machine's drift between them (on this
+    shared 2-core machine the same plan, 22 passes of 39 columns, read 0.18 s in one
+    process and 0.24 s in the next); calls alternated in one process share it. ``other``
+    is warmed up first (its own first call, untimed), then rounds of ``call``, ``other``
+    run until each took :data:`MIN_TIMED_S` in all (at least ``rounds``, at most
+    :data:`MAX_ROUNDS`).
+
+    Args:
+        call: The configuration measured (already warm).
+        other: The one it is compared with.
+        rounds: The fewest rounds.
+
+    Returns:
+        ``{"times_s", "other_times_s", "ratio"}``: each call's times, and the median of
+        ``call``'s over the median of ``other``'s.
+    """
+    other()  # its first call in this process: set-up and planning, untimed
+    own: list[float] = []
+    theirs: list[float] = []
+    while len(own) < rounds or (
+        min(sum(own), sum(theirs)) < MIN_TIMED_S and len(own) < MAX_ROUNDS
+    ):
+        for fn, times in ((call, own), (other, theirs)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    ratio = statistics.median(own) / statistics.median(theirs)
+    return {"times_s": own, "other_times_s": theirs, "ratio": ratio}
 
 
 def run_here(
@@ -100,10 +135,14 @@ def run_here(
     cold: bool = True,
     peak: str = "poll",
     trim: bool = False,
+    interleave: dict | None = None,
 ) -> dict:
     """Measure one configuration in this process; return a JSON-ready record.
 
-    ``params`` go to the method, except ``float64`` (run the problem in float64).
+    ``params`` go to the method, except ``float64`` (run the problem in float64). With
+    ``interleave`` (the same method's params of another configuration), the timed calls
+    are followed by both configurations timed alternately (:func:`time_interleaved`),
+    recorded under ``"interleaved"``.
     """
     from benchmarks.flops import flop_counter
 
@@ -195,6 +234,19 @@ def run_here(
             diag = _unpack(result, record)
         record["times_s"] = times
         record["median_s"] = statistics.median(times) if times else record["first_call_s"]
+        if interleave is not None:
+            other_params = dict(interleave)
+            other_params.pop("float64", None)
+
+            def other():
+                out = fn(model, loss_func, x, y, **other_params)
+                _sync(device)
+                return out
+
+            record["interleaved"] = {
+                "params": interleave,
+                **time_interleaved(call, other, repeats),
+            }
     if flops and "flops" not in record:
         counted: dict = {}
         with flop_counter() as late_counter:
@@ -227,6 +279,7 @@ def run_isolated(
     pin_mmap: bool = True,
     peak: str = "poll",
     trim: bool = False,
+    interleave: dict | None = None,
 ) -> dict:
     """Run :func:`run_here` in a fresh Python process and return its record.
 
@@ -265,6 +318,8 @@ def run_isolated(
         cmd.append("--warm-only")
     if trim:
         cmd.append("--trim")
+    if interleave is not None:
+        cmd += ["--interleave", json.dumps(interleave)]
     root = Path(__file__).resolve().parent.parent
     failed = {"problem": problem, "method": method, "params": params, "mode": mode,
               "device": device}  # fmt: skip
@@ -308,6 +363,7 @@ def main() -> None:
     parser.add_argument("--warm-only", action="store_true")
     parser.add_argument("--peak", choices=["poll", "hwm"], default="poll")
     parser.add_argument("--trim", action="store_true")
+    parser.add_argument("--interleave", default=None)
     args = parser.parse_args()
     # on CUDA every method runs in full float32 (TF32 off), as ggnchunk computes and as
     # the matmul peak is measured: BackPACK would otherwise get cuDNN's TF32 convolutions
@@ -320,6 +376,7 @@ def main() -> None:
                 args.problem, args.method, json.loads(args.params), args.mode,
                 args.device, args.repeats, args.scale, args.save_diag, args.flops,
                 not args.warm_only, args.peak, args.trim,
+                None if args.interleave is None else json.loads(args.interleave),
             )  # fmt: skip
         if cuda:
             record["float32"] = "full (TF32 off)"

@@ -63,12 +63,14 @@ class ChunkScheduler:
       measured too, shrinking the size if one overshoots. If one index does not fit, a
       :class:`MemoryBudgetError` says how much it needs.
     * **auto** (``chunk_size="auto"``): within the budget (``max_memory``, or else 90% of
-      the free device memory), the budget's chunk size and smaller ones are timed on real
-      chunks (nothing is computed twice) and the fastest per index is used for the rest.
-      Problems that budget mode runs in fewer than 20 passes are not tuned (a trial would
-      cost more than it can save), so auto mode is never much slower than budget mode.
-      The decision is cached under ``cache_key`` for later calls, as cuDNN's benchmark
-      mode does.
+      the free device memory), real chunks (nothing is computed twice) are timed on a
+      grid of sizes, from a cache-friendly one doubling toward the budget's limit
+      (:func:`~ggnchunk._scheduling.autotune.tune`), and the fastest per index is used
+      for the rest. Where larger chunks were no slower until the memory stopped the
+      search, or the range is too small to compare sizes, the rest runs as budget mode
+      runs it. The decision is cached under ``cache_key`` for later calls, as cuDNN's
+      benchmark mode does: later calls run the chosen size, or budget mode's plan,
+      without timing trials.
 
     Every mode works for every ``total >= 1``: ``fn`` is only called with
     ``0 <= start < stop <= total``, and every index is covered exactly once, in order.
@@ -217,13 +219,13 @@ def _run_adaptive(
     """Budget and auto modes: start (from the bound, the cache, or a probe), tune, adapt.
 
     Every chunk is measured and checked against the budget
-    (:meth:`~ggnchunk._scheduling.budget.BudgetPlanner.next_size`): one above the
-    planning target shrinks the size for the rest (and warns when it went above the
-    budget itself); without a known bound, sizes grow geometrically from measured chunks
-    (at most twice the largest measured size at a time, less where the measured growth
-    per index says the target is nearer), so that a measurement that sees nothing
-    (memory the allocator reuses, a page-sized resolution) never licenses an unbounded
-    chunk.
+    (:meth:`~ggnchunk._scheduling.budget.BudgetPlanner.next_size`): one above halfway
+    from the planning target to the budget shrinks the size for the rest (and warns when
+    it went above the budget itself); without a known bound, sizes grow geometrically
+    from measured chunks (at most twice the largest measured size at a time, less where
+    the measured growth per index says the target is nearer), so that a measurement that
+    sees nothing (memory the allocator reuses, a page-sized resolution) never licenses an
+    unbounded chunk.
     """
     total, executor, report = planner.total, planner.executor, planner.executor.report
     cache_key = None if key is None else (key, str(mode), planner.budget, total)
@@ -276,10 +278,16 @@ def _run_adaptive(
         if cached is not None and cached.tuned and cached.chunk_size:
             report.from_cache = True
             size, grow, decision.tuned = min(size, cached.chunk_size), False, True
+        elif cached is not None and cached.as_budget:
+            # an earlier call's search found nothing faster than budget mode's plan:
+            # run that plan, without timing trials again (the U-Net's warm calls ran
+            # their trials' 1 + 64 + 128 + 256 + 319 columns in every call, 0.39 s,
+            # where budget mode ran 1 + 767, 0.27 s)
+            report.from_cache = decision.as_budget = True
         else:
             bounded = cost is not None and not planner.backend.sees_reuse
             start, size, tuned = tune(planner, start, size, decision, bounded)
-            decision.tuned = tuned
+            decision.tuned, decision.as_budget = tuned, not tuned
             grow = grow and not tuned
     while start < total:
         stop = min(total, start + size)

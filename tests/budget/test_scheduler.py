@@ -805,6 +805,37 @@ def test_auto_runs_a_rest_too_small_to_tune_in_one_chunk(total):
     ggnchunk.clear_autotune_cache()
 
 
+def test_auto_remembers_a_search_that_ended_at_budget_modes_plan():
+    """Where larger chunks were never slower, later auto calls run budget mode's plan.
+
+    The search stopped at the memory or at its trials' share: the next call must not
+    time the same trials again (the U-Net's warm auto calls ran 1 + 64 + 128 + 256 +
+    319 columns each, 0.39 s, where budget mode ran 1 + 767, 0.27 s).
+    """
+
+    def faster_when_larger(size):  # a fixed cost per pass, nothing else grows
+        return 1e-2 + size * 1e-5
+
+    def sizes_of(mode, calls):
+        ggnchunk.clear_autotune_cache()
+        runs = []
+        for _ in range(calls):
+            sim = _Timed(faster_when_larger, fixed=MiB, per_index=2**16)
+            extra = {"chunk_size": "auto"} if mode == "auto" else {}
+            scheduler = ChunkScheduler(
+                max_memory="48MiB", tracker=sim, cache_key="larger is faster", **extra
+            )
+            _, report = scheduler.run(3000, sim.run, cost=(MiB, 2**16))
+            runs.append([c.stop - c.start for c in report.chunks])
+        ggnchunk.clear_autotune_cache()
+        return runs
+
+    budget = sizes_of("budget", 2)[1]  # a warm call (a first call starts at half)
+    first, second, third = sizes_of("auto", 3)
+    assert first[:3] == [1, 256, 512], first  # the search ran, and climbed
+    assert second == third == budget, (first, second, budget)
+
+
 class _Hoarding(torch.utils._python_dispatch.TorchDispatchMode):
     """Keeps every result alive while active: a call under it needs far more memory."""
 

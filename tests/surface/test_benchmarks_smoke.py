@@ -73,6 +73,10 @@ def test_quick_benchmark_end_to_end(tmp_path):
     for text in ("ggnchunk budget", "ggnchunk auto", "% of matmul peak", "targets"):
         assert text in table
     assert "auto ≤ 1.05× budget-mode time" in table
+    both = records["auto"]["interleaved"]  # auto and budget alternated in one process
+    assert both["params"] == records["budget"]["params"]
+    assert len(both["times_s"]) == len(both["other_times_s"]) >= 1
+    assert "alternated in one process" in table
     assert "First call in a fresh process against warm calls" in table
     assert "budget: first call within ±20% of a warm call's time" in table
     assert "auto: peak 50%–100% of the budget (first call, warm call)" in table
@@ -295,6 +299,40 @@ def test_the_first_call_is_timed_with_its_set_up_and_no_flop_counter(mode, monke
     assert len(times) == runner.MAX_REPEATS or sum(times) >= runner.MIN_TIMED_S
     assert sum(times[:-1]) < runner.MIN_TIMED_S  # and no further
     assert record["flops"] > 0 and calls[-1] == 1  # counted on an extra call
+
+
+def test_an_interleaved_comparison_alternates_the_calls_and_compares_medians(
+    monkeypatch,
+):
+    """Both configurations alternate after ``other``'s untimed first call."""
+    from benchmarks import runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+    order = []
+
+    def timed(name, seconds):
+        def call():
+            order.append(name)
+            clock[0] += seconds[min(order.count(name), len(seconds)) - 1]
+
+        return call
+
+    # the other's first call is slow (set-up) and must not count
+    result = runner.time_interleaved(
+        timed("call", [0.06]), timed("other", [5.0, 0.12, 0.2, 0.12]), rounds=1
+    )
+    assert order[:3] == ["other", "call", "other"]
+    assert order[1:] == ["call", "other"] * len(result["times_s"])
+    # rounds until each configuration took MIN_TIMED_S in all: 9 of 0.06 s > 0.5 s
+    assert len(result["times_s"]) == runner.MAX_ROUNDS  # capped
+    assert result["ratio"] == pytest.approx(0.06 / 0.12)
+    # long calls: the fewest rounds asked for
+    order.clear()
+    result = runner.time_interleaved(
+        timed("call", [1.0]), timed("other", [1.0, 2.0]), rounds=2
+    )
+    assert len(result["times_s"]) == 2 and result["ratio"] == pytest.approx(0.5)
 
 
 def test_the_records_passes_are_the_timed_calls_not_the_counted_ones(monkeypatch):
