@@ -487,8 +487,9 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
         "calls, until 0.5 s of them, at most 15) after a warm-up call, "
         "in a fresh process per configuration; *auto ≤ 1.05× budget* compares auto's "
         "and budget mode's warm calls alternated in auto's process (after budget "
-        "mode's own first call there; rounds until 0.5 s of each, at most 8), free of "
-        "the drift between processes. Peak: extra resident memory above the "
+        "mode's own first call there and one untimed round of both; at least 3 "
+        "rounds, more until 0.5 s of each, at most 8), free of the drift between "
+        "processes. Peak: extra resident memory above the "
         "level before the call (kernel peak RSS, `VmHWM`), "
         + (
             "in the same process, before the timed calls, "

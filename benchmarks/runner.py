@@ -95,9 +95,11 @@ def time_interleaved(call: Callable, other: Callable, rounds: int = 1) -> dict:
     Ratios between separate processes carry the machine's drift between them (on this
     shared 2-core machine the same plan, 22 passes of 39 columns, read 0.18 s in one
     process and 0.24 s in the next); calls alternated in one process share it. ``other``
-    is warmed up first (its own first call, untimed), then rounds of ``call``, ``other``
-    run until each took :data:`MIN_TIMED_S` in all (at least ``rounds``, at most
-    :data:`MAX_ROUNDS`).
+    is warmed up first (its own first call, untimed), then one untimed round of both
+    (the first calls after the other configuration's first call ran on the heap it left:
+    the segmentation model's auto calls read 0.13-0.14 s there, 0.09 s later), then
+    rounds of ``call``, ``other`` run until each took :data:`MIN_TIMED_S` in all (at
+    least ``rounds``, at most :data:`MAX_ROUNDS`).
 
     Args:
         call: The configuration measured (already warm).
@@ -109,6 +111,8 @@ def time_interleaved(call: Callable, other: Callable, rounds: int = 1) -> dict:
         ``call``'s over the median of ``other``'s.
     """
     other()  # its first call in this process: set-up and planning, untimed
+    call()  # a round that settles the heap both now share, untimed
+    other()
     own: list[float] = []
     theirs: list[float] = []
     while len(own) < rounds or (
@@ -243,9 +247,9 @@ def run_here(
                 _sync(device)
                 return out
 
-            record["interleaved"] = {
+            record["interleaved"] = {  # at least 3 rounds: one pair is one sample
                 "params": interleave,
-                **time_interleaved(call, other, repeats),
+                **time_interleaved(call, other, max(3, repeats)),
             }
     if flops and "flops" not in record:
         counted: dict = {}

@@ -318,19 +318,20 @@ def test_an_interleaved_comparison_alternates_the_calls_and_compares_medians(
 
         return call
 
-    # the other's first call is slow (set-up) and must not count
+    # the other's first call is slow (set-up), and the round after it runs on the
+    # heap that call left: neither counts
     result = runner.time_interleaved(
-        timed("call", [0.06]), timed("other", [5.0, 0.12, 0.2, 0.12]), rounds=1
+        timed("call", [0.5, 0.06]), timed("other", [5.0, 1.0, 0.12, 0.2, 0.12]), rounds=1
     )
-    assert order[:3] == ["other", "call", "other"]
-    assert order[1:] == ["call", "other"] * len(result["times_s"])
+    assert order[:5] == ["other", "call", "other", "call", "other"]
+    assert order[1:] == ["call", "other"] * (len(result["times_s"]) + 1)
     # rounds until each configuration took MIN_TIMED_S in all: 9 of 0.06 s > 0.5 s
     assert len(result["times_s"]) == runner.MAX_ROUNDS  # capped
     assert result["ratio"] == pytest.approx(0.06 / 0.12)
     # long calls: the fewest rounds asked for
     order.clear()
     result = runner.time_interleaved(
-        timed("call", [1.0]), timed("other", [1.0, 2.0]), rounds=2
+        timed("call", [1.0]), timed("other", [1.0, 1.0, 2.0]), rounds=2
     )
     assert len(result["times_s"]) == 2 and result["ratio"] == pytest.approx(0.5)
 
