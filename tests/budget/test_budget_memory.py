@@ -1,7 +1,8 @@
 """Real peak memory under a budget, measured the way users meet it.
 
-Each case runs in a fresh process (``tests/budget/_budget_worker.py``) in the default
-environment (every ``MALLOC_*`` variable removed), in three scenarios: the first call in
+Each case runs in a fresh process (``tests/budget/_budget_worker.py``, in a child
+forked after the imports by ``tests/budget/_zygote.py``) in the default environment
+(every ``MALLOC_*`` variable removed), in three scenarios: the first call in
 the process, after a small warm-up call, and after an earlier one-pass call (a
 notebook's previous cell, which leaves freed memory for the allocator to reuse). The peak
 is the kernel's own high-water mark above the resident set size just before the call, less
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.budget._zygote import Zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     ("tutorial_conv_ae", 64), ("tutorial_conv_ae", 200),  # one pass: about +1,550 MiB
@@ -34,13 +37,27 @@ CASES = [
 ]  # fmt: skip
 
 
+_SERVER: list[Zygote] = []  # started by the first test that needs it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_server():
+    yield
+    while _SERVER:
+        _SERVER.pop().close()
+
+
 def _run(problem: str, budget_mib: int, scenario: str, *more: str) -> dict | list:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "tests.budget._budget_worker", problem,
-         f"{budget_mib}MiB", scenario, *more],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    """The worker's record, from a fresh process (forked after the imports).
+
+    No allocator variables: the server starts without ``MALLOC_*``, as users run.
+    """
+    if not _SERVER:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        _SERVER.append(Zygote(env))
+    done = _SERVER[0].run(
+        "tests.budget._budget_worker", problem, f"{budget_mib}MiB", scenario, *more
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
