@@ -47,15 +47,17 @@ def _stop_the_server():
         _SERVER.pop().close()
 
 
-def _run(problem: str, budget_mib: int, scenario: str, *more: str) -> dict | list:
-    """The worker's record, from a fresh process (forked after the imports).
-
-    No allocator variables: the server starts without ``MALLOC_*``, as users run.
-    """
+def _server() -> Zygote:
+    """The forking server (started once); no allocator variables, as users run."""
     if not _SERVER:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
         _SERVER.append(Zygote(env))
-    done = _SERVER[0].run(
+    return _SERVER[0]
+
+
+def _run(problem: str, budget_mib: int, scenario: str, *more: str) -> dict | list:
+    """The worker's record, from a fresh process (forked after the imports)."""
+    done = _server().run(
         "tests.budget._budget_worker", problem, f"{budget_mib}MiB", scenario, *more
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -385,11 +387,7 @@ def test_kron_factors_stay_within_the_budget():
     It was divided by the batch size out of place after the passes: a second copy above
     the budget (144 MiB), without a warning.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _KRON],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = _server().run(None, code=_KRON)
     assert done.returncode == 0, done.stderr[-3000:]
     for peak in json.loads(done.stdout.strip().splitlines()[-1]):
         assert peak <= 110, peak
@@ -448,10 +446,7 @@ def test_matrix_products_after_the_set_up_keep_nothing_more(dtype, threads):
     """
     runs = []
     for warm in ("0", "1"):
-        done = subprocess.run(
-            [sys.executable, "-c", _POOL, str(threads), dtype, warm],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        done = _server().run(None, str(threads), dtype, warm, code=_POOL)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     if runs[0] is None:
@@ -489,9 +484,6 @@ def test_the_products_pool_is_grown_for_large_models_under_tight_budgets(
     Elsewhere it costs a first call 20-60 ms for nothing: a small model's products
     hardly grow the pool, a large budget does not notice it.
     """
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _POOL_CALL, budget, str(width)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = _server().run(None, budget, str(width), code=_POOL_CALL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) is grown

@@ -48,3 +48,27 @@ def test_a_child_past_its_timeout_is_killed_and_the_server_goes_on(server):
     done = server.run(PROBE, "sleep", "60", timeout=1)
     assert done.returncode == -9
     assert server.run(PROBE, "ok").returncode == 0
+
+
+def test_code_runs_as_python_c_does(server):
+    done = server.run(
+        None, "x", code="import json, sys; print(json.dumps(sys.argv)); sys.exit(2)"
+    )
+    assert done.returncode == 2 and json.loads(done.stdout) == ["-c", "x"]
+    with pytest.raises(ValueError, match="not both"):
+        server.run(PROBE, code="pass")
+
+
+def test_a_child_has_imported_only_what_the_budget_worker_imports_first(server):
+    """A module the server imported would not count in a child's measured call.
+
+    A fresh worker pays torchvision (and the ``torch._dynamo`` it imports, 44 MiB)
+    only for the problems that build from it, before its call; nothing else heavy.
+    """
+    check = (
+        "import json, sys; "
+        "print(json.dumps([m in sys.modules for m in ('torchvision', 'torch._dynamo')]))"
+    )
+    done = server.run(None, code=check)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [False, False]
