@@ -5,9 +5,8 @@ call's baseline. The model comes from a known bound (the engine's memory model),
 cached decision, or from probing one index; every chunk run afterwards is measured, and
 :meth:`BudgetPlanner.next_size` shrinks the size after a chunk above halfway from the
 planning target to the budget (warning once where it went above the budget itself) or
-grows it toward the target. The
-share of the budget that plans aim at is the device's (its memory backend's
-``planning_share``).
+grows it toward the target. The share of the budget that plans aim at is the device's
+(its memory backend's ``planning_share``).
 """
 
 from __future__ import annotations
