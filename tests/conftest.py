@@ -1,8 +1,9 @@
 """Test-session set-up: CPU threads shared fairly between pytest-xdist workers.
 
-The README's test command runs the suite on two workers (``-n 2``). Each worker would
-otherwise start torch's default thread pool (one thread per core) and the workers would
-oversubscribe the cores; each gets its share instead. A plain ``pytest`` run is left as is.
+With pytest-xdist (``pytest -n 2``; not in the ``test`` extra, and the README's command
+runs serially) each worker would otherwise start torch's default thread pool (one thread
+per core) and the workers would oversubscribe the cores; each gets its share instead. A
+plain ``pytest`` run is left as is.
 """
 
 from __future__ import annotations

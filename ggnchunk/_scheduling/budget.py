@@ -86,11 +86,10 @@ class Decision:
     fixed: float
     per_index: float
     chunk_size: int | None = None  # where the last call ended
-    tuned: bool = False  # auto mode chose a size below the budget's limit: do not grow
-    # auto mode's search ended without a size faster than budget mode's growth (larger
-    # chunks were no slower until the memory or the trials' share stopped it, or the
-    # range was too small to compare): later calls run as budget mode, with no trials
-    as_budget: bool = False
+    # auto mode chose a size below the budget's limit: do not grow. An auto decision
+    # that is not tuned ended its search without a size faster than budget mode's
+    # growth: later calls run budget mode's plan, with no trials
+    tuned: bool = False
     overshot: int | None = None  # the size a chunk above the target was cut to
     # the size a chunk above the budget itself was cut to: no later call goes above it
     over_budget: int | None = None

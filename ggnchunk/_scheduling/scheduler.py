@@ -278,16 +278,16 @@ def _run_adaptive(
         if cached is not None and cached.tuned and cached.chunk_size:
             report.from_cache = True
             size, grow, decision.tuned = min(size, cached.chunk_size), False, True
-        elif cached is not None and cached.as_budget:
-            # an earlier call's search found nothing faster than budget mode's plan:
-            # run that plan, without timing trials again (the U-Net's warm calls ran
-            # their trials' 1 + 64 + 128 + 256 + 319 columns in every call, 0.39 s,
-            # where budget mode ran 1 + 767, 0.27 s)
-            report.from_cache = decision.as_budget = True
+        elif cached is not None:
+            # an earlier call's search (the key holds the mode) found nothing faster
+            # than budget mode's plan: run that plan, without timing trials again (the
+            # U-Net's warm calls ran their trials' 1 + 64 + 128 + 256 + 319 columns in
+            # every call, 0.39 s, where budget mode ran 1 + 767, 0.27 s)
+            report.from_cache = True
         else:
             bounded = cost is not None and not planner.backend.sees_reuse
             start, size, tuned = tune(planner, start, size, decision, bounded)
-            decision.tuned, decision.as_budget = tuned, not tuned
+            decision.tuned = tuned
             grow = grow and not tuned
     while start < total:
         stop = min(total, start + size)
