@@ -821,8 +821,10 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                 + (
                     " A plain function (or a loss module without a reduction attribute) "
                     "is taken as a sum over samples: for a mean, pass "
-                    "functools.partial(fn, reduction='sum') and rescale, or a loss module "
-                    "with reduction='mean' (an attribute its forward honours)."
+                    "functools.partial(fn, reduction='sum') and rescale; a loss module "
+                    "that averages over the samples itself (timm's "
+                    "LabelSmoothingCrossEntropy) is taken as such once you set "
+                    "loss_func.reduction = 'mean'."
                     if isinstance(loss_func, FunctionLoss)
                     else ""
                 )

@@ -113,3 +113,26 @@ def test_a_loss_module_without_reduction_is_taken_as_a_sum():
     assert_diag_close(actual, reference_diag_ggn(model, _LogCoshSum(), x, y), rtol=1e-9)
     with pytest.raises(ValueError, match=r"_LogCoshMean\) is not a sum.*reduction"):
         ggnchunk.diag_ggn(model, _LogCoshMean(), x, y)
+
+
+def test_the_fix_the_refusal_of_a_mean_without_reduction_names_works():
+    """A module that averages itself is refused with a fix that works.
+
+    timm's ``LabelSmoothingCrossEntropy`` has no ``reduction``; the fix named is
+    ``loss_func.reduction = 'mean'``. Once set, its forward still takes the mean itself
+    and the result is exact (the message used to ask for an attribute "its forward
+    honours", which such a forward does not need to).
+    """
+    from tests.reference import assert_diag_close, reference_diag_ggn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    loss = _LogCoshMean()
+    with pytest.raises(ValueError, match=r"loss_func\.reduction = 'mean'"):
+        ggnchunk.diag_ggn(model, loss, x, y)
+    loss.reduction = "mean"
+    expected = reference_diag_ggn(model, loss, x, y)
+    for options in ({}, {"num_chunks": 3}, {"batch_chunk_size": 1}):
+        actual = ggnchunk.diag_ggn(model, loss, x, y, **options)
+        assert_diag_close(actual, expected, rtol=1e-9)
