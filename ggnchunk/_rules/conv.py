@@ -488,6 +488,71 @@ def _cropped_backprop(
     return conv(folded, _flipped(weight, groups), None, 1, common, dilation, groups)
 
 
+def _patches_backprop(
+    folded: Tensor,
+    weight: Tensor,
+    x_shape: torch.Size,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> Tensor:
+    """A 2-d convolution's input gradient through its patches' gradients (groups 1).
+
+    One matrix product over every vector's positions: the rows copied once (a few per
+    vector), where a batched product with the weight broadcast to every vector ran at a
+    third of the speed (ResNet-18's layer3, 56 vectors); then summed back onto the input.
+
+    Args:
+        folded: ``[B, Cout, *out]``, the vectors at the output.
+        weight: ``[Cout, Cin, KH, KW]``.
+        x_shape: The input's shape ``[N, Cin, H, W]`` (only ``Cin, H, W`` are read).
+        kernel: ``(KH, KW)``.
+        dilation: ``(DH, DW)``.
+        padding: ``(PH, PW)``, zeros.
+        stride: ``(SH, SW)``.
+
+    Returns:
+        ``[B, Cin, H, W]``.
+    """
+    b, cout = folded.shape[:2]
+    positions = math.prod(folded.shape[2:])
+    rows = folded.reshape(b, cout, positions).transpose(1, 2)
+    patches = torch.mm(rows.reshape(b * positions, cout), weight.reshape(cout, -1)).view(
+        b, positions, -1
+    )  # [B, P, Cin*K]
+    if positions == 1:  # one output position: its taps land on distinct inputs, one
+        # strided copy (``F.fold`` took 4x as long: ResNet-18's layer4 on 32x32 images)
+        return _placed_taps(patches, x_shape, kernel, dilation, padding)
+    return F.fold(patches.transpose(1, 2), x_shape[2:], kernel, dilation, padding, stride)
+
+
+def _sliced_patches(module: nn.Module, x: Tensor, positions: int) -> bool:
+    """Whether a chunk's vectors cross a large 2-d convolution in slices of patches.
+
+    Without oneDNN (float64, or oneDNN off) torch's input-gradient kernel for a large
+    weight (``_slow_conv2d_backward``) runs one matrix product per vector, with as many
+    columns as output positions: on few positions each product reads the whole weight
+    for a few multiply-adds. FCN-ResNet50's head (3x3, 2048 to 512 channels, 2x2 maps,
+    float64) took 14.3 s for 192 vectors, 96 columns of a pass: 26x the 0.55 s of the
+    patches' form in slices of ``Cout // P`` vectors (each slice's patches no larger
+    than the weight, which the memory bound counts per column already); 1.4x at 8x8
+    maps, slower from ``Cout < 2 P`` (64 channels on 16x16: 0.60 against 0.42 s).
+
+    Args:
+        module: The convolution.
+        x: Its input.
+        positions: Output positions per map.
+
+    Returns:
+        Whether :meth:`ConvRule.backprop` takes the patches' form in slices.
+    """
+    return (
+        _native(x) and module.weight.numel() > SMALL_WEIGHT and not _pointwise(module)
+        and module.out_channels >= 2 * positions
+    )  # fmt: skip
+
+
 def _pointwise(module: nn.Module) -> bool:
     """Whether a convolution's backprop is a channel mix (:func:`_pointwise_backprop`)."""
     dims = module.weight.dim() - 2
@@ -676,31 +741,27 @@ class ConvRule(LayerRule):
             return _cropped_backprop(
                 folded, weight, 1, taps, padding, dilation, x.shape
             ).reshape(v, n, *x.shape[1:])
+        # the vectors whose patches' gradients are no larger than the weight
+        step = weight.shape[0] // max(positions, 1)
         if (
-            dims == 2 and module.groups == 1
-            and v * n * positions * weight[0].numel() <= weight.numel()
-        ):  # fmt: skip
+            dims == 2
+            and module.groups == 1
+            and (v * n <= step or _sliced_patches(module, x, positions))
+        ):
             # few vectors on few positions (a deep stage, a small chunk): the patches'
             # gradients as one product and summed back onto the input. oneDNN's kernels
             # reorder the whole weight first (9 MiB for ResNet-18's last stage, as much
-            # as 60 columns' patches there), which set the floor of a tight budget
-            # one matrix product over every vector's positions: the rows copied once
-            # (a few per vector), where a batched product with the weight broadcast to
-            # every vector ran at a third of the speed (ResNet-18's layer3, 56 vectors)
-            rows = folded.reshape(v * n, folded.shape[1], positions).transpose(1, 2)
-            patches = torch.mm(
-                rows.reshape(v * n * positions, folded.shape[1]),
-                weight.reshape(weight.shape[0], -1),
-            ).view(v * n, positions, -1)  # [V*N, P, Cin*K]
-            if positions == 1:  # one output position: its taps land on distinct
-                # inputs, one strided copy (``F.fold`` took 4x as long: ResNet-18's
-                # layer4 on 32x32 images)
-                return _placed_taps(patches, x.shape, kernel, dilation, padding).reshape(
-                    v, n, *x.shape[1:]
-                )
-            result = F.fold(
-                patches.transpose(1, 2), x.shape[2:], kernel, dilation, padding, stride
-            )
+            # as 60 columns' patches there), which set the floor of a tight budget.
+            # More vectors than that, without oneDNN: the same, ``step`` vectors at a
+            # time (:func:`_sliced_patches`)
+            geometry = (weight, x.shape, kernel, dilation, padding, stride)
+            if v * n <= step:
+                result = _patches_backprop(folded, *geometry)
+            else:
+                result = folded.new_empty(v * n, *x.shape[1:])
+                for a in range(0, v * n, max(step, 1)):
+                    b = min(v * n, a + max(step, 1))
+                    result[a:b] = _patches_backprop(folded[a:b], *geometry)
             return result.reshape(v, n, *x.shape[1:])
         if MATRIX_BACKPROP and _pointwise(module):
             # a 1x1 convolution (pointwise layers, ResNets' downsampling shortcuts)
@@ -890,6 +951,12 @@ class ConvRule(LayerRule):
                 extra = math.prod(ctx.out_shape) + ctx.x.numel()
             elif strided:  # the product before it is placed on the strided map
                 extra = ctx.x.numel()
+        positions = math.prod(ctx.out_shape[2:])
+        if ctx.x.dim() == 4 and _sliced_patches(module, ctx.x, positions):
+            # the patches' gradients of a slice of vectors and fold's copy of them, per
+            # column (a slice holds at most a chunk's vectors)
+            kernel = module.weight.numel() // module.out_channels
+            extra = max(extra, 2 * ctx.out_shape[0] * positions * kernel)
         if not (_native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT):
             return extra
         # the native transposed convolution's columns: every kernel offset's map (a
