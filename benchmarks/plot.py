@@ -524,8 +524,9 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
         )
         + "with imports, model and data ready before it and whatever the method sets up "
         "at its first call (BackPACK's `extend`, ggnchunk's planning) inside; issue 21's "
-        "targets: within ±20% of the warm calls' time, and first-call and warm peaks at "
-        "50–100% of the budget."
+        "targets: within ±20% of the warm calls' time (the median of every warm call "
+        "of the configuration in its process: the timed ones and, for auto, its "
+        "alternated ones), and first-call and warm peaks at 50–100% of the budget."
         + (
             " *pinned*: the same warm peak with `MALLOC_MMAP_THRESHOLD_=131072` "
             "(repeatable across runs)."
