@@ -505,8 +505,10 @@ def table(env: dict, groups: dict[str, list[dict]]) -> str:
         "in a fresh process per configuration; *auto ≤ 1.05× budget* compares auto's "
         "and budget mode's warm calls alternated in auto's process (after budget "
         "mode's own first call there and one untimed round of both; at least 3 "
-        "rounds, more until 0.5 s of each, at most 8), free of the drift between "
-        "processes. Peak: extra resident memory above the "
+        "rounds, more until 2 s of each, at most 16, each configuration first in "
+        "every other round; before 2026-11-29 18:00 UTC 0.5 s, at most 8, auto "
+        "first), free of the drift between processes. Peak: extra resident memory "
+        "above the "
         "level before the call (kernel peak RSS, `VmHWM`), "
         + (
             "in the same process, before the timed calls, "
