@@ -530,6 +530,9 @@ def _patches_backprop(
 def _sliced_patches(module: nn.Module, x: Tensor, positions: int) -> bool:
     """Whether a chunk's vectors cross a large 2-d convolution in slices of patches.
 
+    The one test of the route, for :meth:`ConvRule.backprop` and the memory bound alike
+    (2-d, groups 1: ``F.fold`` and one product with the whole weight).
+
     Without oneDNN (float64, or oneDNN off) torch's input-gradient kernel for a large
     weight (``_slow_conv2d_backward``) runs one matrix product per vector, with as many
     columns as output positions: on few positions each product reads the whole weight
@@ -548,7 +551,8 @@ def _sliced_patches(module: nn.Module, x: Tensor, positions: int) -> bool:
         Whether :meth:`ConvRule.backprop` takes the patches' form in slices.
     """
     return (
-        _native(x) and module.weight.numel() > SMALL_WEIGHT and not _pointwise(module)
+        x.dim() == 4 and module.groups == 1 and _native(x)
+        and module.weight.numel() > SMALL_WEIGHT and not _pointwise(module)
         and module.out_channels >= 2 * positions
     )  # fmt: skip
 
@@ -742,11 +746,9 @@ class ConvRule(LayerRule):
                 folded, weight, 1, taps, padding, dilation, x.shape
             ).reshape(v, n, *x.shape[1:])
         # the vectors whose patches' gradients are no larger than the weight
-        step = weight.shape[0] // max(positions, 1)
-        if (
-            dims == 2
-            and module.groups == 1
-            and (v * n <= step or _sliced_patches(module, x, positions))
+        step = weight.shape[0] // positions
+        if (dims == 2 and module.groups == 1 and v * n <= step) or _sliced_patches(
+            module, x, positions
         ):
             # few vectors on few positions (a deep stage, a small chunk): the patches'
             # gradients as one product and summed back onto the input. oneDNN's kernels
@@ -759,8 +761,8 @@ class ConvRule(LayerRule):
                 result = _patches_backprop(folded, *geometry)
             else:
                 result = folded.new_empty(v * n, *x.shape[1:])
-                for a in range(0, v * n, max(step, 1)):
-                    b = min(v * n, a + max(step, 1))
+                for a in range(0, v * n, step):  # step >= 2 (Cout >= 2 P)
+                    b = min(v * n, a + step)
                     result[a:b] = _patches_backprop(folded[a:b], *geometry)
             return result.reshape(v, n, *x.shape[1:])
         if MATRIX_BACKPROP and _pointwise(module):
@@ -952,7 +954,7 @@ class ConvRule(LayerRule):
             elif strided:  # the product before it is placed on the strided map
                 extra = ctx.x.numel()
         positions = math.prod(ctx.out_shape[2:])
-        if ctx.x.dim() == 4 and _sliced_patches(module, ctx.x, positions):
+        if _sliced_patches(module, ctx.x, positions):
             # the patches' gradients of a slice of vectors and fold's copy of them, per
             # column (a slice holds at most a chunk's vectors)
             kernel = module.weight.numel() // module.out_channels
