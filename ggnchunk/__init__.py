@@ -13,7 +13,7 @@ from ggnchunk._api import (
 )
 from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
-from ggnchunk._graph import SampleCouplingError
+from ggnchunk._graph import GradientDisabledWarning, SampleCouplingError
 from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import register_rule, supported_layers_table
@@ -58,6 +58,7 @@ __all__ = [
     "OutOfMemoryRecoveryWarning",
     # errors and warnings users meet
     "SampleCouplingError",
+    "GradientDisabledWarning",
     "NotConvexWarning",
     "SlowBackwardWarning",
     "ZeroHessianWarning",

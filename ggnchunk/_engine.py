@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import time
 import weakref
@@ -384,7 +385,9 @@ class GGNComputation:
         """
         problem = self._problem
         batch = [t for t in self._batch.tensors() if self._batch.batched(t)]
-        with torch.enable_grad(), folded_glue(batch):  # attention, resizes batched
+        # compiled code (torch.compile) runs as written: the recording's hooks see its
+        # layers, and dynamo would trace through them
+        with torch.enable_grad(), folded_glue(batch), _eager():
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):
@@ -412,7 +415,8 @@ class GGNComputation:
             )
         _check_finite_output(output)
         if problem.loss_func is not None:
-            self._loss = self._loss_of(output)
+            with _eager():
+                self._loss = self._loss_of(output)
         self._recording.plan(output)
         self.quantity.check(self._recording)
         self._recording.check_independent(output)
@@ -852,3 +856,16 @@ def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | Non
         if value.dim() == output.dim() and value.shape[0] not in (1, output.shape[0]):
             return name, value.shape[0]
     return None
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """A context where code compiled with ``torch.compile`` runs eagerly, as written.
+
+    The recorded forward pass needs the model's layers to run as modules (their hooks
+    record them; dynamo would trace through the hooks and fail in them). Eager code
+    computes the same function; what dynamo would have fused is not run. Nothing to do
+    where dynamo was never imported (no code can have been compiled).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

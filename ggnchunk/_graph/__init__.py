@@ -38,6 +38,13 @@ products per sample), ``glue_windows`` (glue crossed on windowed boxes).
 
 from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._graph.parts import Call, SampleCouplingError, _Source
-from ggnchunk._graph.recording import Recording
+from ggnchunk._graph.recording import GradientDisabledWarning, Recording
 
-__all__ = ["Call", "Recording", "SampleCouplingError", "SlowBackwardWarning", "_Source"]
+__all__ = [
+    "Call",
+    "GradientDisabledWarning",
+    "Recording",
+    "SampleCouplingError",
+    "SlowBackwardWarning",
+    "_Source",
+]

@@ -7,7 +7,10 @@ sweeps (:mod:`.sweep`), the memory bound (:mod:`.bound`) and the checks
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +30,7 @@ from ggnchunk._autograd import (
     grad_shape,
     output_count,
 )
+from ggnchunk._checks import user_stacklevel
 from ggnchunk._folding import from_batch, glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
@@ -96,6 +100,11 @@ class Recording(Sweeps, MemoryBound, Checks):
         self.images = FieldCache()  # the windowed fields' images, reused by every sweep
         # every node of the recorded graph, by id: see _pin_graph
         self._pins: dict[int, Node] = {}
+        # layers with trainable parameters that ran with gradients disabled (inside
+        # ``torch.no_grad()``, or a reentrant checkpoint's forward): name -> class
+        self.without_grad: dict[str, str] = {}
+        # the first of them that ran inside a reentrant checkpoint's forward
+        self.in_checkpoint: str | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -135,6 +144,11 @@ class Recording(Sweeps, MemoryBound, Checks):
             return None  # another thread's forward: neither recorded nor popped
         stack = self._pending.setdefault(id(module), [])
         if not torch.is_grad_enabled():
+            if any(id(p) in self._param_index for p in module.parameters(recurse=False)):
+                name = self._units[module][0]
+                self.without_grad.setdefault(name, type(module).__name__)
+                if self.in_checkpoint is None and _in_reentrant_checkpoint():
+                    self.in_checkpoint = name
             stack.append(None)
             return None
         if args:
@@ -223,6 +237,8 @@ class Recording(Sweeps, MemoryBound, Checks):
                     "`x += ...` on the same tensor). ggnchunk needs the value the layer "
                     "saw: use an out-of-place operation there."
                 )
+        if self.in_checkpoint is not None:
+            _refuse_reentrant(f"around {_display(self.in_checkpoint)}")
         self._pin_graph(output)
         self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
         uses: dict[int, int] = {}
@@ -243,12 +259,44 @@ class Recording(Sweeps, MemoryBound, Checks):
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
         self._stop_without_parameters()
+        self._warn_without_grad(uses)
         self.reused = {i for i, count in uses.items() if count > 1}  # several places
         self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
         self._schedule_crossings()
+
+    def _warn_without_grad(self, uses: dict[int, int]) -> None:
+        """Warn about layers whose trainable parameters ran only with gradients off.
+
+        Their diagonal is zero, as their gradients are (autograd never sees them); the
+        usual cause is a reentrant ``torch.utils.checkpoint`` whose inputs do not
+        require gradients, which torch itself only warns about.
+        """
+        silent = []
+        for module, (name, _) in self._units.items():
+            if name not in self.without_grad:
+                continue
+            mine = [
+                self._param_index[id(p)] for p in module.parameters(recurse=False)
+                if id(p) in self._param_index
+            ]  # fmt: skip
+            if mine and not any(i in uses for i in mine):
+                silent.append(f"{_display(name)} ({self.without_grad[name]})")
+        if silent:
+            shown = ", ".join(silent[:3]) + (
+                f" and {len(silent) - 3} more" if len(silent) > 3 else ""
+            )
+            warnings.warn(
+                f"ggnchunk: {shown} ran with gradients disabled in the forward pass "
+                "(inside torch.no_grad() or torch.inference_mode()), so no gradient "
+                "reaches their trainable parameters: their GGN diagonal is zero, as "
+                "their gradients are. Run them with gradients enabled for their "
+                "curvature, or set requires_grad=False on their parameters.",
+                GradientDisabledWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def _schedule_crossings(self) -> None:
         """When each glue region is crossed: once every place its vectors come from is done.
@@ -448,6 +496,8 @@ class Recording(Sweeps, MemoryBound, Checks):
             if current is None or id(current) in seen:
                 continue
             seen.add(id(current))
+            if current.name() == _REENTRANT_CHECKPOINT:
+                _refuse_reentrant(f"in the operations before {self._consumer(source)}")
             source.workspace += glue_workspace(current)
             inner = max(inner, _gradients_numel(current))
             for position, (nxt, number) in enumerate(current.next_functions):
@@ -503,10 +553,53 @@ class Recording(Sweeps, MemoryBound, Checks):
         ]  # fmt: skip
         source.reader_numel = -(-max(sizes, default=0) // self._batch)
 
+    def _consumer(self, source: _Source) -> str:
+        """Where a glue region's vectors come from, for messages."""
+        if source.key == self.output_key:
+            return "the model output"
+        if 0 <= source.last_consumer < len(self.calls):
+            return f"the input of {_display(self.calls[source.last_consumer].name)}"
+        return "a tensor several parts of the model read"
+
     @property
     def params(self) -> list[nn.Parameter]:
         """The trainable parameters, in ``named_parameters()`` order."""
         return self._params
+
+
+# the node of ``torch.utils.checkpoint(..., use_reentrant=True)``: its backward calls
+# ``torch.autograd.backward``, which torch refuses inside ``torch.autograd.grad``
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the running code is inside a reentrant checkpoint's forward."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _refuse_reentrant(where: str) -> None:
+    raise ValueError(
+        f"the model calls torch.utils.checkpoint with use_reentrant=True ({where}). "
+        "Its layers run with gradients disabled and its backward runs the forward "
+        "again, which cannot happen inside torch.autograd.grad (every pass of ggnchunk "
+        "uses it), so their curvature cannot be computed. Pass use_reentrant=False to "
+        "checkpoint (same values; torch recommends it), or turn gradient checkpointing "
+        "off for this call (transformers: model.gradient_checkpointing_disable(); "
+        "diffusers: model.disable_gradient_checkpointing())."
+    )
+
+
+class GradientDisabledWarning(UserWarning):
+    """Layers with trainable parameters ran with gradients disabled: zero diagonal."""
 
 
 # the internal switch (tests, benchmarks): False walks every region to the layer outputs,

@@ -1,0 +1,196 @@
+"""Models written around their layers: checkpoints, torch.compile, weight norms, no_grad.
+
+Gradient checkpointing, ``torch.compile``, weight and spectral norm, and
+``torch.no_grad()`` inside ``forward``, as users' models have them.
+
+Every value is compared with the float64 brute force (of the same function written
+plainly where the brute force cannot run the model as it is: ``torch.func`` refuses
+saved-tensor hooks and compiled code); every refusal says the fix and comes before any
+backward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import checkpoint
+
+import ggnchunk
+from ggnchunk._engine import GGNComputation
+from tests.reference import assert_diag_close, reference_diag_ggn
+
+CHUNKINGS = {
+    "one_pass": {},
+    "chunks3": {"num_chunks": 3},
+    "budget": {"max_memory": "64MiB"},
+    "batch_chunks": {"batch_chunk_size": 1, "num_chunks": 2},
+}
+
+
+def _data():
+    torch.manual_seed(1)
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    return x, torch.randn(3, 2, 6, 6, dtype=torch.float64)
+
+
+class _Checkpointed(nn.Module):
+    """A block behind a trainable 1×1 conv (``first=False``) or at the input."""
+
+    def __init__(self, reentrant: bool | None, first: bool = False):
+        super().__init__()
+        self.pre = nn.Identity() if first else nn.Conv2d(2, 2, 1)
+        self.block = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.SiLU(), nn.Conv2d(4, 2, 3, padding=1)
+        )
+        self.post = nn.Conv2d(2, 2, 1)
+        self.reentrant = reentrant  # None: no checkpoint (the brute force's function)
+
+    def forward(self, x):
+        h = self.pre(x)
+        if self.reentrant is None:
+            g = self.block(h)
+        else:
+            g = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.post(F.silu(g + h))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["middle", "at_input"])
+@pytest.mark.parametrize("options", CHUNKINGS.values(), ids=CHUNKINGS.keys())
+def test_checkpoint_without_reentrance_is_exact(first, options):
+    x, y = _data()
+    torch.manual_seed(0)
+    plain = _Checkpointed(None, first).double().eval()
+    model = copy.deepcopy(plain)
+    model.reentrant = False
+    expected = reference_diag_ggn(plain, nn.MSELoss(), x, y)
+    diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+    assert_diag_close(diag, expected, 1e-9, "checkpoint(use_reentrant=False)")
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["middle", "at_input"])
+def test_reentrant_checkpoint_is_refused_before_any_backward(first, monkeypatch):
+    """At the input torch itself only warns and gave these layers a zero diagonal."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a backward pass ran before the error")
+
+    monkeypatch.setattr(GGNComputation, "backward", forbidden)
+    x, y = _data()
+    model = _Checkpointed(True, first).double().eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+        with pytest.raises(ValueError, match=r"use_reentrant=True \(around model\.block"):
+            ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+    assert all(
+        not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()
+    )  # fmt: skip
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self, context):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.context = context
+
+    def forward(self, x):
+        with self.context():
+            h = self.a(x)
+        return self.b(torch.tanh(h) + x)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_trainable_layer_run_without_gradients_is_named(context):
+    """Its diagonal is zero, as its gradient is: exact, and said once."""
+    x, y = _data()
+    torch.manual_seed(0)
+    model = _NoGradInside(context).double()
+    with pytest.warns(ggnchunk.GradientDisabledWarning, match=r"model\.a \(Conv2d\)"):
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
+    assert_diag_close(diag, reference_diag_ggn(model, nn.MSELoss(), x, y), 1e-9)
+    assert not diag["a.weight"].any() and diag["b.weight"].any()
+    model.a.requires_grad_(False)  # frozen on purpose: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.GradientDisabledWarning)
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 2, 3, padding=1)
+    ).double()
+
+
+@pytest.mark.parametrize("what", ["model", "submodule"])
+def test_a_compiled_model_runs_eagerly_and_is_exact(what):
+    """Dynamo traced through the recording's hooks (a raw AttributeError)."""
+    from torch._dynamo import eval_frame
+
+    x, y = _data()
+    plain = _conv_net()
+    expected = reference_diag_ggn(plain, nn.MSELoss(), x, y)
+    model = copy.deepcopy(plain)
+    if what == "model":
+        model = torch.compile(model, backend="eager")
+        prefix = "_orig_mod."
+    else:
+        model[2] = torch.compile(model[2], backend="eager")
+        prefix = ""
+    for options in CHUNKINGS.values():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert list(diag) == [name for name, _ in model.named_parameters()]
+        plain_names = {
+            n: n[len(prefix) :].replace("2._orig_mod.", "2.") for n in diag
+        }  # fmt: skip
+        assert_diag_close(
+            {plain_names[n]: v for n, v in diag.items()}, expected, 1e-9, str(options)
+        )
+    assert eval_frame._stance.stance == "default"  # the process's setting restored
+
+
+def _weight_normed(kind: str) -> nn.Module:
+    model = _conv_net()
+    if kind == "weight_norm":
+        model[0] = parametrizations.weight_norm(model[0])
+        model[2] = parametrizations.weight_norm(model[2], dim=None)
+    elif kind == "spectral_norm":
+        model[0] = parametrizations.spectral_norm(model[0])
+    return model.eval()  # spectral norm's power iteration runs in training mode only
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.SlowBackwardWarning")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_parametrized_weights_are_exact(kind):
+    x, y = _data()
+    model = _weight_normed(kind)
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, f"{kind} {name}")
+
+
+def test_hook_style_weight_norm_matches_the_parametrization():
+    """``torch.nn.utils.weight_norm`` (a pre-hook; the brute force cannot copy it)."""
+    x, y = _data()
+    model = _conv_net()
+    reference = copy.deepcopy(model)
+    reference[0] = parametrizations.weight_norm(reference[0])
+    expected = reference_diag_ggn(reference.eval(), nn.MSELoss(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still used
+        model[0] = torch.nn.utils.weight_norm(model[0])
+    names = {
+        "0.weight_g": "0.parametrizations.weight.original0",
+        "0.weight_v": "0.parametrizations.weight.original1",
+    }
+    for options in CHUNKINGS.values():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        renamed = {names.get(n, n): v for n, v in diag.items()}
+        assert_diag_close({n: renamed[n] for n in expected}, expected, 1e-9, str(options))
