@@ -194,3 +194,50 @@ def test_hook_style_weight_norm_matches_the_parametrization():
         diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
         renamed = {names.get(n, n): v for n, v in diag.items()}
         assert_diag_close({n: renamed[n] for n in expected}, expected, 1e-9, str(options))
+
+
+class _PackedLSTM(nn.Module):
+    """Variable-length sequences: ``pack_padded_sequence`` into an LSTM, its last state."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False
+        )
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.SlowBackwardWarning")
+def test_packed_sequences_are_exact():
+    """Samples interleaved in the packed data; the brute force runs each one unpadded.
+
+    (``torch.func`` cannot run ``pack_padded_sequence``: each sample's Jacobian is that
+    of the LSTM on its own first ``length`` steps, which is what packing computes.)
+    """
+    torch.manual_seed(0)
+    model = _PackedLSTM().double().eval()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 4, 2])
+    y = torch.randn(4, 2, dtype=torch.float64)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    expected = {n: torch.zeros_like(p) for n, p in params.items()}
+    for n in range(4):
+
+        def one(p, n=n):
+            steps = x[n : n + 1, : int(lengths[n])]
+            lstm = {k[5:]: v for k, v in p.items() if k.startswith("lstm.")}
+            head = {k[5:]: v for k, v in p.items() if k.startswith("head.")}
+            _, (h, _) = torch.func.functional_call(model.lstm, lstm, (steps,))
+            return torch.func.functional_call(model.head, head, (h[-1],))[0]
+
+        jac = torch.func.jacrev(one)(params)
+        for name in expected:  # MSE's mean over 4 x 2 outputs: Hessian 2/8 I
+            expected[name] += 0.25 * (jac[name] ** 2).sum(0)
+    for options in CHUNKINGS.values():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), (x, lengths), y, **options)
+        assert_diag_close(diag, expected, 1e-9, f"packed {options}")
