@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -858,14 +859,34 @@ def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | Non
     return None
 
 
-def _eager() -> contextlib.AbstractContextManager:
+_EAGER_LOCK = threading.Lock()
+# calls inside the eager stance now, and the stance object that restores the setting
+_EAGER: dict[str, Any] = {"calls": 0, "stance": None}
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
     """A context where code compiled with ``torch.compile`` runs eagerly, as written.
 
     The recorded forward pass needs the model's layers to run as modules (their hooks
     record them; dynamo would trace through the hooks and fail in them). Eager code
     computes the same function; what dynamo would have fused is not run. Nothing to do
-    where dynamo was never imported (no code can have been compiled).
+    where dynamo was never imported (no code can have been compiled). The stance is
+    the process's: calls in several threads share one entry, and the last to leave
+    restores the setting the first found.
     """
     if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
+        yield
+        return
+    with _EAGER_LOCK:
+        if _EAGER["calls"] == 0:
+            _EAGER["stance"] = torch.compiler.set_stance("force_eager")  # set now
+        _EAGER["calls"] += 1
+    try:
+        yield
+    finally:
+        with _EAGER_LOCK:
+            _EAGER["calls"] -= 1
+            if _EAGER["calls"] == 0:
+                stance, _EAGER["stance"] = _EAGER["stance"], None
+                stance.__exit__(None, None, None)  # the setting found before

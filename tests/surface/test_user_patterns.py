@@ -155,6 +155,60 @@ def test_a_compiled_model_runs_eagerly_and_is_exact(what):
     assert eval_frame._stance.stance == "default"  # the process's setting restored
 
 
+def test_concurrent_calls_restore_the_compiler_stance():
+    """Calls in two threads overlap; the one that started first leaves first.
+
+    The other call is still inside its forward then: it still runs eagerly, and the
+    setting is restored once both left (each call setting and restoring the stance on
+    its own left the second call's compiled code to dynamo, and the stance forced on).
+    """
+    import threading
+
+    from torch._dynamo import eval_frame
+
+    x, y = _data()
+    first_in, second_in, first_done = (threading.Event() for _ in range(3))
+    seen = []
+
+    class Held(nn.Module):
+        def __init__(self, signal, wait):
+            super().__init__()
+            self.net = torch.compile(_conv_net(), backend="eager")
+            self.signal, self.wait = signal, wait
+
+        def forward(self, x):
+            self.signal.set()
+            self.wait.wait(30)
+            seen.append(eval_frame._stance.stance)
+            return self.net(x)
+
+    errors = []
+
+    def first():  # enters first, leaves once the second call is inside its forward
+        try:
+            ggnchunk.diag_ggn(Held(first_in, second_in), nn.MSELoss(), x, y)
+        except Exception as error:  # reported below
+            errors.append(error)
+        finally:
+            first_done.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        expected = reference_diag_ggn(_conv_net(), nn.MSELoss(), x, y)
+        assert first_in.wait(30)
+        diag = ggnchunk.diag_ggn(Held(second_in, first_done), nn.MSELoss(), x, y)
+    finally:
+        second_in.set()
+        first_done.set()
+        thread.join(30)
+    assert not errors
+    assert seen == ["force_eager", "force_eager"]
+    names = {n: n.replace("net._orig_mod.", "") for n in diag}
+    assert_diag_close({names[n]: v for n, v in diag.items()}, expected, 1e-9)
+    assert eval_frame._stance.stance == "default"
+
+
 def _weight_normed(kind: str) -> nn.Module:
     model = _conv_net()
     if kind == "weight_norm":
