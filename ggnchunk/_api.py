@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _scheduling, _windows
-from ggnchunk._checks import Batch, check_batch, check_positive_int
+from ggnchunk._checks import Batch, check_batch, check_positive_int, usable
 from ggnchunk._distributed import rank_and_size, resolve_group
 from ggnchunk._engine import (
     GGNComputation,
@@ -996,7 +996,7 @@ def _evaluate(
         full_float32(),
     ):
         quantity, loss, gradient, report = _compute(
-            problem, batch, targets.detach(), options, scale, spec, group,
+            problem, batch, usable(targets), options, scale, spec, group,
             need_gradient, sampling,
         )  # fmt: skip
     if isinstance(quantity, KroneckerFactors):

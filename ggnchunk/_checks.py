@@ -78,13 +78,29 @@ def _map_tensors(value: Any, fn: Any) -> Any:
     return value
 
 
+def usable(tensor: Tensor) -> Tensor:
+    """``tensor`` detached; a copy where it was made in ``torch.inference_mode()``.
+
+    Autograd cannot save inference tensors for a backward pass (a layer's input, a
+    loss's targets): a normal copy takes their place (the caller's tensor stays).
+
+    Args:
+        tensor: An input or target.
+
+    Returns:
+        A tensor outside any graph, usable by autograd.
+    """
+    return tensor.clone() if tensor.is_inference() else tensor.detach()
+
+
 class Batch:
     """The model's inputs for one forward pass: ``model(*args, **kwargs)``.
 
     ``inputs`` is a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a
     dict (``model(**inputs)``). Tensors whose axis 0 has the batch size are per-sample
     (sliced by :meth:`slice`); anything else is passed unchanged to every sub-batch.
-    Tensors are detached, so the caller's inputs never collect gradients.
+    Tensors are detached, so the caller's inputs never collect gradients (inference
+    tensors are copied, :func:`usable`).
 
     Args:
         inputs: The user's inputs.
@@ -94,10 +110,10 @@ class Batch:
     def __init__(self, inputs: Any, size: int):
         self.size = size
         if isinstance(inputs, Tensor):
-            self.args: tuple = (inputs.detach(),)
+            self.args: tuple = (usable(inputs),)
             self.kwargs: dict = {}
         elif isinstance(inputs, (tuple, list)):
-            self.args = tuple(_map_tensors(list(inputs), Tensor.detach))
+            self.args = tuple(_map_tensors(list(inputs), usable))
             self.kwargs = {}
         elif isinstance(inputs, dict):
             keys = [k for k in inputs if not isinstance(k, str)]
@@ -109,7 +125,7 @@ class Batch:
                     "tuple for positional arguments."
                 )
             self.args = ()
-            self.kwargs = _map_tensors(dict(inputs), Tensor.detach)
+            self.kwargs = _map_tensors(dict(inputs), usable)
         else:
             raise TypeError(
                 "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list "

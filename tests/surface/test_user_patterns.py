@@ -295,3 +295,30 @@ def test_packed_sequences_are_exact():
     for options in CHUNKINGS.values():
         diag = ggnchunk.diag_ggn(model, nn.MSELoss(), (x, lengths), y, **options)
         assert_diag_close(diag, expected, 1e-9, f"packed {options}")
+
+
+def test_inputs_and_targets_made_in_inference_mode():
+    """Tensors made in ``torch.inference_mode()`` (a frozen extractor's features).
+
+    Torch refused to save them for backward (a raw RuntimeError); a copy is used.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    with torch.inference_mode():
+        x_inf, y_inf = x.clone(), y.clone()
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for options in CHUNKINGS.values():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x_inf, y_inf, **options)
+        assert_diag_close(diag, expected, 1e-9, str(options))
+    for inputs in ((x_inf,), {"input": x_inf}):
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), inputs, y_inf)
+        assert_diag_close(diag, expected, 1e-9, type(inputs).__name__)
+    labels = torch.tensor([0, 3, 1, 2])
+    with torch.inference_mode():
+        labels_inf = labels.clone()
+    diag = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x_inf, labels_inf)
+    assert_diag_close(
+        diag, reference_diag_ggn(model, nn.CrossEntropyLoss(), x, labels), 1e-9, "ce"
+    )
+    assert x_inf.is_inference() and y_inf.is_inference()  # the caller's stay as they are
