@@ -398,10 +398,18 @@ class GGNComputation:
                 "the tensor the loss is computed from."
             )
         if output.dim() == 0 or output.shape[0] != self._batch.size:
+            hint = ""
+            if self._batch.size == 1:  # squeeze() took the batch axis of one sample
+                hint = (
+                    " With one sample in the forward pass (a batch of one, or the last "
+                    "sub-batch of batch_chunk_size), a forward that calls .squeeze() "
+                    "drops the batch axis too: squeeze the axis by number instead "
+                    "(.squeeze(-1))."
+                )
             raise ValueError(
                 f"the model output has shape {tuple(output.shape)} but the batch has "
                 f"{self._batch.size} samples; ggnchunk needs axis 0 of the output to be "
-                "the batch axis."
+                f"the batch axis.{hint}"
             )
         if not output.requires_grad:
             raise ValueError(

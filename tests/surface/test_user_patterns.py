@@ -322,3 +322,24 @@ def test_inputs_and_targets_made_in_inference_mode():
         diag, reference_diag_ggn(model, nn.CrossEntropyLoss(), x, labels), 1e-9, "ce"
     )
     assert x_inf.is_inference() and y_inf.is_inference()  # the caller's stay as they are
+
+
+class _Squeezed(nn.Module):
+    """A regression head written ``.squeeze()``: ``[N]``, but ``[]`` for one sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(x).squeeze()
+
+
+@pytest.mark.parametrize("options", [{}, {"batch_chunk_size": 2}])
+def test_squeeze_dropping_the_batch_axis_of_one_sample_is_explained(options):
+    x, y = torch.randn(5, 3), torch.randn(5)
+    count = 1 if not options else 5  # a batch of one, or a last sub-batch of one
+    with pytest.raises(
+        ValueError, match=r"\.squeeze\(\) drops the batch axis.*squeeze\(-1\)"
+    ):
+        ggnchunk.diag_ggn(_Squeezed(), nn.MSELoss(), x[:count], y[:count], **options)
