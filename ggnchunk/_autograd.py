@@ -45,6 +45,7 @@ __all__ = [
     "gather_of",
     "global_forward_hooks",
     "grad_shape",
+    "in_checkpoint",
     "is_batched",
     "node_name",
     "noting",
@@ -713,3 +714,27 @@ def first_global_forward_hook(hook: Callable) -> Any:
     if hooks is not None and hasattr(hooks, "move_to_end") and handle.id in hooks:
         hooks.move_to_end(handle.id, last=False)
     return handle
+
+
+def in_checkpoint() -> bool:
+    """Whether the forward running now is inside a ``torch.utils.checkpoint`` region.
+
+    A non-reentrant checkpoint saves nothing in the forward pass and runs the function
+    again when the backward needs its tensors, matching them to the nodes of the first
+    run by their order and shapes: the first run must save what the second one does,
+    so nothing in it may be replaced by a folded form. Its saved-tensor hooks are then
+    the innermost ones (their functions are ``torch.utils.checkpoint``'s).
+
+    Returns:
+        True inside such a region's forward.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # (a torch without it: no region is found)
+        return False
+    hooks = top(False)
+    if not hooks:
+        return False
+    pack = hooks[0]
+    return bool(getattr(pack, "_checkpoint_internal", False)) or (
+        getattr(pack, "__module__", "") == "torch.utils.checkpoint"
+    )

@@ -16,7 +16,9 @@ forward computation with such a backward:
   running statistics and ``table[index]`` outside layers with a rule (the pooling
   layers keep theirs): :mod:`ggnchunk._glue_kernels`.
 
-Calls they cannot reproduce exactly are left as they are.
+Calls they cannot reproduce exactly are left as they are, and so is every call inside
+a ``torch.utils.checkpoint`` region (its backward runs the calls again as written and
+needs the tensors they save to match those of the first run).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ggnchunk._attention import (
     fold_eager_tail,
     unchecked,
 )
+from ggnchunk._autograd import in_checkpoint
 from ggnchunk._glue_kernels import FOLDERS, fold_glue_call, glue_kernel_workspace
 from ggnchunk._resample import INTERPOLATE, fold_interpolate, resample_workspace
 
@@ -139,6 +142,12 @@ class _Folding(TorchFunctionMode):
         return result
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if (
+            func is SDPA or func is INTERPOLATE or func in FOLDERS
+            or func is F.multi_head_attention_forward
+        ) and in_checkpoint():  # fmt: skip
+            # run again in the backward as written: the saved tensors must match
+            return func(*args, **kwargs)
         if func is SDPA:
             folded = fold_attention(args, kwargs)
             if folded is not None:

@@ -73,6 +73,63 @@ def test_checkpoint_without_reentrance_is_exact(first, options):
     assert_diag_close(diag, expected, 1e-9, "checkpoint(use_reentrant=False)")
 
 
+class _GlueBlock(nn.Module):
+    """Glue the engine folds elsewhere: reflect pad, max pool, attention, resize."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.qkv = nn.Linear(4, 12)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, h):
+        h = F.max_pool2d(F.pad(self.conv(h), (1, 1, 1, 1), mode="reflect"), 3, stride=1)
+        n, c, height, width = h.shape
+        q, k, v = self.qkv(h.flatten(2).transpose(1, 2)).chunk(3, -1)
+        a = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+        a = torch.softmax(a, -1) * F.silu(a)
+        h = h + self.out(a).transpose(1, 2).reshape(n, c, height, width)
+        return F.interpolate(h, scale_factor=2, mode="bilinear")
+
+
+class _CheckpointedGlue(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.pre, self.block, self.post = (
+            nn.Conv2d(2, 4, 1),
+            _GlueBlock(),
+            nn.Conv2d(4, 2, 1),
+        )
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.pre(x)
+        if self.checkpointed:
+            h = checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        return self.post(h)
+
+
+@pytest.mark.filterwarnings("ignore::ggnchunk.SlowBackwardWarning")
+def test_checkpoint_around_glue_the_engine_would_fold_is_exact():
+    """The calls inside a checkpoint run as written, not folded.
+
+    The backward runs them again and matches what they saved (folded forms there saved
+    other tensors: a raw CheckpointError).
+    """
+    torch.manual_seed(1)
+    x, y = torch.randn(3, 2, 4, 4).double(), torch.randn(3, 2, 8, 8).double()
+    torch.manual_seed(0)
+    plain = _CheckpointedGlue(False).double().eval()
+    model = copy.deepcopy(plain)
+    model.checkpointed = True
+    expected = reference_diag_ggn(plain, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, name)
+
+
 @pytest.mark.parametrize("first", [False, True], ids=["middle", "at_input"])
 def test_reentrant_checkpoint_is_refused_before_any_backward(first, monkeypatch):
     """At the input torch itself only warns and gave these layers a zero diagonal."""
