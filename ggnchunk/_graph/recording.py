@@ -105,6 +105,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         self.without_grad: dict[str, str] = {}
         # the first of them that ran inside a reentrant checkpoint's forward
         self.in_checkpoint: str | None = None
+        # the first layer with a rule that ran under the forward's own torch.autocast
+        self.in_autocast: tuple[str, torch.dtype] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def install(self) -> None:
@@ -168,6 +170,12 @@ class Recording(Sweeps, MemoryBound, Checks):
             # handles it, its inner calls folded
             stack.append(None)
             return None
+        if self.in_autocast is None and torch.is_autocast_enabled(x.device.type):
+            # the engine turned autocast off around the forward: the model's own
+            self.in_autocast = (
+                self._units[module][0],
+                torch.get_autocast_dtype(x.device.type),
+            )
         layer_entered()  # its inner calls are the rule's, not glue to fold
         if x.requires_grad:
             leaf = x.detach().requires_grad_()
@@ -239,6 +247,16 @@ class Recording(Sweeps, MemoryBound, Checks):
                 )
         if self.in_checkpoint is not None:
             _refuse_reentrant(f"around {_display(self.in_checkpoint)}")
+        if self.in_autocast is not None:
+            name, dtype = self.in_autocast
+            raise ValueError(
+                f"{_display(name)} ran inside torch.autocast (computing in {dtype}) that "
+                "the model's forward enables. ggnchunk computes in the parameters' dtype "
+                "and its rules cannot follow a layer that computes in another one. "
+                "Turn the autocast in forward off for this call (a flag on the model, "
+                "or torch.autocast(..., enabled=False) around that part); autocast "
+                "around the call itself is turned off for you."
+            )
         self._pin_graph(output)
         self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
         uses: dict[int, int] = {}

@@ -400,3 +400,30 @@ def test_squeeze_dropping_the_batch_axis_of_one_sample_is_explained(options):
         ValueError, match=r"\.squeeze\(\) drops the batch axis.*squeeze\(-1\)"
     ):
         ggnchunk.diag_ggn(_Squeezed(), nn.MSELoss(), x[:count], y[:count], **options)
+
+
+class _InnerAutocast(nn.Module):
+    """Part of ``forward`` in bfloat16 under the model's own ``torch.autocast``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.a(x))
+        return self.b(h.float())
+
+
+def test_autocast_inside_forward_is_refused_before_any_backward(monkeypatch):
+    """Its layer computed in bfloat16 and the rule failed on the dtypes (raw error)."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a backward pass ran before the error")
+
+    monkeypatch.setattr(GGNComputation, "backward", forbidden)
+    model, x = _InnerAutocast(), torch.randn(3, 2, 6, 6)
+    with pytest.raises(ValueError, match=r"model\.a ran inside torch\.autocast.*bfloat16"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, x)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not torch.is_autocast_enabled("cpu")
