@@ -23,6 +23,8 @@ The package, one family a file:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -149,9 +151,12 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 
     A module qualifies when its class (or a subclass that does not override ``forward``,
     such as ``nn.MultiheadAttention``'s output projection) runs the known layer's
-    ``forward``, it is not parametrized (``torch.nn.utils.parametrize``), and its own
-    trainable parameters are among the rule's (``weight``, ``bias``; none for a frozen
-    layer, whose rule then only maps the vectors back). Anything else is handled from
+    ``forward`` with the known layer's own helpers (a subclass or an instance that
+    replaces ``nn.Conv2d._conv_forward``, as circular padding along one axis does,
+    computes something else), it is not parametrized
+    (``torch.nn.utils.parametrize``), and its own trainable parameters are among the
+    rule's (``weight``, ``bias``; none for a frozen layer, whose rule then only maps the
+    vectors back). Anything else is handled from
     the recorded graph.
 
     Args:
@@ -168,12 +173,44 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     for rule in RULES:
         for cls in rule.classes:
-            if isinstance(module, cls) and forward is cls.forward and rule.accepts(module):
+            if (
+                isinstance(module, cls) and forward is cls.forward
+                and _same_helpers(module, cls) and rule.accepts(module)
+            ):  # fmt: skip
                 # a frozen layer keeps its rule's backprop (no parameter products)
                 if set(own) <= set(rule.param_names):
                     return rule
                 return None
     return None
+
+
+@functools.cache
+def _helpers(cls: type) -> tuple[str, ...]:
+    """The private methods ``cls`` and its bases below ``nn.Module`` define.
+
+    Its ``forward`` may call them (``nn.Conv2d._conv_forward``,
+    ``nn.ConvTranspose2d._output_padding``); the state-dict hooks compute nothing.
+    """
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if base is nn.Module or base is object:
+            break
+        names.update(
+            name for name, value in vars(base).items()
+            if name.startswith("_") and not name.startswith("__") and callable(value)
+            and "state_dict" not in name
+        )  # fmt: skip
+    return tuple(sorted(names))
+
+
+def _same_helpers(module: nn.Module, cls: type) -> bool:
+    """Whether ``module`` runs ``cls``'s own helpers (none replaced on it or its class)."""
+    own = vars(module)
+    kind = type(module)
+    return all(
+        name not in own and getattr(kind, name, None) is getattr(cls, name, None)
+        for name in _helpers(cls)
+    )
 
 
 def supported_layers_table() -> str:

@@ -427,3 +427,69 @@ def test_autocast_inside_forward_is_refused_before_any_backward(monkeypatch):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, x)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not torch.is_autocast_enabled("cpu")
+
+
+class _LongitudeConv2d(nn.Conv2d):
+    """Circular padding along the width only, zeros along the height (climate models)."""
+
+    def _conv_forward(self, x, weight, bias):
+        rows, cols = self.padding
+        x = F.pad(x, (cols, cols, 0, 0), mode="circular")
+        return F.conv2d(x, weight, bias, self.stride, (rows, 0), self.dilation, self.groups)
+
+
+class _ShiftedOutputPadding(nn.ConvTranspose2d):
+    def _output_padding(self, *args, **kwargs):
+        return [1, 0]
+
+
+def _patched_instance() -> nn.Module:
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def flipped(self, x, weight, bias):  # a replaced helper on one instance
+        return F.conv2d(x, weight.flip(-1), bias, self.stride, self.padding)
+
+    conv._conv_forward = flipped.__get__(conv)
+    return conv
+
+
+HELPERS = {
+    "subclass_conv_forward": lambda: _LongitudeConv2d(2, 3, 3, padding=1),
+    "instance_conv_forward": _patched_instance,
+    "subclass_output_padding": lambda: _ShiftedOutputPadding(2, 3, 3, stride=2),
+}
+
+
+@pytest.mark.parametrize("make", HELPERS.values(), ids=HELPERS.keys())
+def test_a_layer_whose_helper_is_replaced_is_exact(make):
+    """A replaced helper: ``forward`` is the layer's own, the computation is not.
+
+    The rule for the plain layer gave a diagonal 50% off without a word.
+    """
+    from ggnchunk._rules import rule_for
+
+    torch.manual_seed(0)
+    layer = make()
+    assert rule_for(layer) is None  # left to the recorded graph
+    model = nn.Sequential(layer, nn.Tanh(), nn.Conv2d(3, 2, 1)).double()
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        y = torch.randn_like(model(x))
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, name)
+
+
+def test_a_subclass_that_only_configures_the_layer_keeps_its_rule():
+    from ggnchunk._rules import rule_for
+
+    class Configured(nn.Conv2d):  # __init__ and extra_repr only
+        def __init__(self):
+            super().__init__(2, 3, 3, padding=1, bias=False)
+
+        def extra_repr(self):
+            return "configured"
+
+    assert rule_for(Configured()) is not None
+    assert rule_for(nn.MultiheadAttention(4, 2).out_proj) is not None
