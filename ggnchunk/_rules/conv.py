@@ -615,6 +615,19 @@ class ConvRule(LayerRule):
     classes = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     description = "groups, dilation, stride, all padding modes; patches unfolded once"
 
+    def accepts(self, module: nn.Module) -> bool:
+        """Padded with values: the pads its ``forward`` applies are its ``padding``.
+
+        ``forward`` pads by ``_reversed_padding_repeated_twice``, made from
+        ``padding`` when the layer was built; a ``padding`` changed afterwards is not
+        what it computes (zeros are applied from ``padding`` itself).
+        """
+        if module.padding_mode == "zeros":
+            return True
+        pads = explicit_padding(module, len(as_tuple(module.kernel_size, 1)))
+        flat = [p for pair in reversed(pads) for p in pair]
+        return list(getattr(module, "_reversed_padding_repeated_twice", flat)) == flat
+
     def _patches(self, ctx: RuleContext, sample: int | None = None) -> Tensor:
         """``[N, G, K, P]`` (cached unless lean), or ``[1, G, K, P]`` of one sample."""
         cached = ctx.caches.patches

@@ -453,7 +453,14 @@ def _patched_instance() -> nn.Module:
     return conv
 
 
+def _padding_changed_after_init() -> nn.Module:
+    conv = nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect")
+    conv.padding = (2, 2)  # forward still reflects by the 1 it was built with
+    return conv
+
+
 HELPERS = {
+    "padding_changed_after_init": _padding_changed_after_init,
     "subclass_conv_forward": lambda: _LongitudeConv2d(2, 3, 3, padding=1),
     "instance_conv_forward": _patched_instance,
     "subclass_output_padding": lambda: _ShiftedOutputPadding(2, 3, 3, stride=2),
@@ -461,8 +468,8 @@ HELPERS = {
 
 
 @pytest.mark.parametrize("make", HELPERS.values(), ids=HELPERS.keys())
-def test_a_layer_whose_helper_is_replaced_is_exact(make):
-    """A replaced helper: ``forward`` is the layer's own, the computation is not.
+def test_a_layer_computing_other_than_its_rule_knows_is_exact(make):
+    """A replaced helper or a stale pad: ``forward`` is the layer's own, not what it does.
 
     The rule for the plain layer gave a diagonal 50% off without a word.
     """
@@ -492,4 +499,6 @@ def test_a_subclass_that_only_configures_the_layer_keeps_its_rule():
             return "configured"
 
     assert rule_for(Configured()) is not None
+    assert rule_for(nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect")) is not None
+    assert rule_for(nn.Conv1d(2, 3, 4, padding="same", padding_mode="circular")) is not None
     assert rule_for(nn.MultiheadAttention(4, 2).out_proj) is not None
