@@ -70,6 +70,10 @@ class Recording(Sweeps, MemoryBound, Checks):
     ):
         self.every_product = every_product
         self._units = units
+        # each layer's tensors as the rule was chosen for them (see _as_chosen)
+        self._tensors = {
+            module: _tensors_of(module, rule) for module, (_, rule) in units.items()
+        }
         self._params = params
         self._param_index = {id(p): i for i, p in enumerate(params)}
         self._batch = batch
@@ -162,12 +166,13 @@ class Recording(Sweeps, MemoryBound, Checks):
             return None
         if (
             not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self._batch
-            or from_batch(x) is False
+            or from_batch(x) is False or not self._as_chosen(module)
         ):  # fmt: skip
             # not a per-sample call (a BatchNorm1d on tokens flattened into the batch
             # axis, as timm's LeViT; a tensor not made from the batch whose axis 0 has
             # its size by chance, as T5's position bias with N queries): the glue
-            # handles it, its inner calls folded
+            # handles it, its inner calls folded. Also a layer whose weight is not the
+            # one its rule was chosen for (:meth:`_as_chosen`)
             stack.append(None)
             return None
         if self.in_autocast is None and torch.is_autocast_enabled(x.device.type):
@@ -185,6 +190,21 @@ class Recording(Sweeps, MemoryBound, Checks):
             return args, {**kwargs, key: leaf}
         stack.append((None, None, x._version, x))
         return None
+
+    def _as_chosen(self, module: nn.Module) -> bool:
+        """Whether the layer runs on the tensors its rule was chosen for.
+
+        A weight computed in ``forward`` and set on the layer (a hypernetwork), or
+        swapped in by ``torch.func.functional_call`` (fast weights in meta-learning),
+        is not the parameter the rule would read (during the call, or afterwards when
+        ``functional_call`` has put the parameter back): such a call is glue, and the
+        recorded graph takes the weight's own graph back to the parameters it comes
+        from (the rule gave those a zero diagonal).
+        """
+        return all(
+            getattr(module, name, None) is tensor
+            for name, tensor in self._tensors[module].items()
+        )
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
         if threading.get_ident() != self._thread:
@@ -588,6 +608,15 @@ class Recording(Sweeps, MemoryBound, Checks):
 # the node of ``torch.utils.checkpoint(..., use_reentrant=True)``: its backward calls
 # ``torch.autograd.backward``, which torch refuses inside ``torch.autograd.grad``
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def _tensors_of(module: nn.Module, rule: LayerRule) -> dict[str, Any]:
+    """The layer's own parameters and buffers, and its rule's tensors (``None``: none)."""
+    found: dict[str, Any] = dict.fromkeys(rule.param_names)
+    found.update((name, getattr(module, name, None)) for name in rule.param_names)
+    found.update(module.named_parameters(recurse=False))
+    found.update(module.named_buffers(recurse=False))
+    return found
 
 
 def _in_reentrant_checkpoint() -> bool:

@@ -502,3 +502,63 @@ def test_a_subclass_that_only_configures_the_layer_keeps_its_rule():
     assert rule_for(nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect")) is not None
     assert rule_for(nn.Conv1d(2, 3, 4, padding="same", padding_mode="circular")) is not None
     assert rule_for(nn.MultiheadAttention(4, 2).out_proj) is not None
+
+
+class _Hypernetwork(nn.Module):
+    """A layer's weight computed in ``forward`` from parameters and set on the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Parameter(torch.randn(4, 3))
+        self.scale = nn.Parameter(torch.randn(4, 1))
+        self.lin = nn.Linear(3, 4)
+        del self.lin.weight  # set in every forward
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.lin.weight = self.base * self.scale
+        return self.out(torch.tanh(self.lin(x)))
+
+
+class _FastWeights(nn.Module):
+    """Meta-learning's inner step: ``functional_call`` with weights made from parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(48, 2)
+        )
+        self.delta = nn.Parameter(0.1 * torch.randn(3, 2, 3, 3))
+
+    def forward(self, x):
+        weights = {"0.weight": self.net[0].weight - 0.5 * self.delta}
+        return torch.func.functional_call(self.net, weights, (x,))
+
+
+class _DetachedFastWeights(_FastWeights):
+    """The swapped-in weight needs no grad: the rule would read the parameter back."""
+
+    def forward(self, x):
+        weights = {"0.weight": (self.net[0].weight - 0.5 * self.delta).detach()}
+        return torch.func.functional_call(self.net, weights, (x,))
+
+
+SWAPPED = {"hypernetwork": _Hypernetwork, "fast_weights": _FastWeights,
+           "detached_fast_weights": _DetachedFastWeights}  # fmt: skip
+
+
+@pytest.mark.parametrize("make", SWAPPED.values(), ids=SWAPPED.keys())
+def test_a_layer_run_on_other_weights_than_its_parameters_is_exact(make):
+    """The layer's weight is not its parameter during the call.
+
+    The rule read the parameter: weights made from other parameters got a zero
+    diagonal (relative error 1.0), without a word.
+    """
+    torch.manual_seed(0)
+    model = make().double()
+    shape = (5, 3) if make is _Hypernetwork else (5, 2, 4, 4)
+    x, y = torch.randn(*shape).double(), torch.randn(5, 2).double()
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, name)
