@@ -7,6 +7,7 @@ sweeps (:mod:`.sweep`), the memory bound (:mod:`.bound`) and the checks
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
@@ -80,6 +81,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._thread = threading.get_ident()
         self._pending: dict[int, list[Any]] = {}
         self.calls: list[Call] = []
+        self._settings: list[dict[str, Any]] = []  # each call's layer settings then
         self._handles: list[Any] = []
         self._sources: dict[EdgeKey, _Source] = {}
         # call index -> the glue sources crossed once it is done (downstream first)
@@ -232,6 +234,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         ctx.node = node
         ctx.index, ctx.images = len(self.calls), self.images
         rule.record(ctx)
+        self._settings.append(_settings_of(module))
         params = [
             (self._param_index[id(p)], pname)
             for pname, p in module.named_parameters(recurse=False)
@@ -277,6 +280,12 @@ class Recording(Sweeps, MemoryBound, Checks):
                 "or torch.autocast(..., enabled=False) around that part); autocast "
                 "around the call itself is turned off for you."
             )
+        for call, settings in zip(self.calls, self._settings, strict=True):
+            if _settings_of(call.ctx.module) != settings:
+                # changed after the call (a layer called again with another dilation
+                # or stride): the rule reads the settings of this call
+                call.ctx.module = _as_called(call.ctx.module, settings)
+        self._settings = []
         self._pin_graph(output)
         self._out_keys = {edge_key(c.out_edge): c.index for c in self.calls}
         uses: dict[int, int] = {}
@@ -608,6 +617,26 @@ class Recording(Sweeps, MemoryBound, Checks):
 # the node of ``torch.utils.checkpoint(..., use_reentrant=True)``: its backward calls
 # ``torch.autograd.backward``, which torch refuses inside ``torch.autograd.grad``
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings_of(module: nn.Module) -> dict[str, Any]:
+    """A layer's settings: its attributes that are plain values (stride, padding, eps)."""
+    return {
+        name: value for name, value in vars(module).items()
+        if isinstance(value, _PLAIN) or (
+            isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value)
+        )
+    }  # fmt: skip
+
+
+def _as_called(module: nn.Module, settings: dict[str, Any]) -> nn.Module:
+    """The layer with the settings of one call: a copy sharing its tensors."""
+    twin = copy.copy(module)  # the same parameter and buffer dicts
+    twin.__dict__.update(copy.deepcopy(settings))
+    return twin
 
 
 def _tensors_of(module: nn.Module, rule: LayerRule) -> dict[str, Any]:

@@ -562,3 +562,32 @@ def test_a_layer_run_on_other_weights_than_its_parameters_is_exact(make):
     for name, options in CHUNKINGS.items():
         diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
         assert_diag_close(diag, expected, 1e-9, name)
+
+
+class _ReconfiguredBetweenCalls(nn.Module):
+    """One layer called twice, its settings changed in between (shared weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.act = nn.LeakyReLU(0.1)
+        self.out = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        self.conv.dilation, self.conv.padding, self.act.negative_slope = (1, 1), (1, 1), 0.1
+        a = self.act(self.conv(x))
+        self.conv.dilation, self.conv.padding, self.act.negative_slope = (2, 2), (2, 2), 0.3
+        b = self.act(self.conv(x))
+        return self.out(torch.cat([a, b], 1))
+
+
+def test_a_layer_reconfigured_between_its_calls_is_exact():
+    """The rule read the settings after the forward (the last call's) for every call."""
+    torch.manual_seed(0)
+    model = _ReconfiguredBetweenCalls().double()
+    x, y = torch.randn(3, 2, 6, 6).double(), torch.randn(3, 2, 6, 6).double()
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, name)
+    assert model.conv.dilation == (2, 2) and model.act.negative_slope == 0.3
