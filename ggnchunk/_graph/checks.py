@@ -108,7 +108,11 @@ class Checks(Traversal):
                     "the model mixes samples (batch statistics such as BatchNorm in "
                     "training mode or x - x.mean(0), or attention across the batch axis), "
                     "so the GGN is not a sum over samples. Call model.eval(), or remove "
-                    "the operation that mixes samples."
+                    "the operation that mixes samples. If no operation mixes them, a layer "
+                    "there may get its samples on another axis than 0 while axis 0 has "
+                    "the batch size by coincidence (a sequence-first [T, N, D] tensor "
+                    "with T == N): move the batch axis first (batch_first=True), or use "
+                    "another batch size."
                 )
 
         visit("the model output", seed)

@@ -591,3 +591,35 @@ def test_a_layer_reconfigured_between_its_calls_is_exact():
         diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
         assert_diag_close(diag, expected, 1e-9, name)
     assert model.conv.dilation == (2, 2) and model.act.negative_slope == 0.3
+
+
+class _SequenceFirst(nn.Module):
+    """Layers applied to ``[T, N, D]`` (``batch_first=False``), output ``[N, ...]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.transpose(0, 1)))
+        return self.b(h).transpose(0, 1).flatten(1)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_layers_on_a_sequence_first_axis(steps):
+    """Exact where axis 0 is not the batch size; refused where it is by coincidence.
+
+    With T == N the layers would take time steps for samples: refused with the reason,
+    never answered.
+    """
+    torch.manual_seed(0)
+    model = _SequenceFirst().double()
+    x, y = torch.randn(4, steps, 5).double(), torch.randn(4, 2 * steps).double()
+    if steps == 4:
+        with pytest.raises(ggnchunk.SampleCouplingError, match=r"T == N\).*batch_first"):
+            ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+        return
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name, options in CHUNKINGS.items():
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        assert_diag_close(diag, expected, 1e-9, name)
