@@ -210,6 +210,13 @@ class Problem:
                 "model has no parameters with requires_grad=True, so its GGN diagonal is "
                 "empty. Unfreeze the parameters whose diagonal you need."
             )
+        lazy = [n for n, p in params if nn.parameter.is_lazy(p)]
+        if lazy:
+            raise ValueError(
+                f"the parameter {lazy[0]!r} is not initialized yet (a lazy module such as "
+                "nn.LazyLinear gets its shapes from its first input): run the model once "
+                "on a batch, model(inputs), before calling ggnchunk."
+            )
         devices = {p.device for _, p in params}
         if len(devices) > 1:
             raise ValueError(

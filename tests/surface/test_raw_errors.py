@@ -178,3 +178,12 @@ def test_a_per_sample_loss_weight_with_sub_batches_names_the_weight(problem):
     targets = torch.rand(5, 2)
     with pytest.raises(ValueError, match=r"loss_func.weight has a batch axis of 5.*Drop"):
         ggnchunk.diag_ggn(model, loss, x, targets, batch_chunk_size=2)
+
+
+def test_a_lazy_module_not_initialized_yet():
+    model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.LazyLinear(2))
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    with pytest.raises(
+        ValueError, match=r"'0.weight' is not initialized yet.*model\(inputs\)"
+    ):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
