@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -89,8 +89,36 @@ def _backend(path: str) -> object | None:
     return node if hasattr(node, "fp32_precision") else None
 
 
-_PRECISION_GUARD = threading.Lock()
-_PRECISION = {"users": 0, "saved": None}  # calls inside full_float32; what to restore
+class _SharedSwitch:
+    """A process-wide setting switched by the first of overlapping calls.
+
+    The last call to leave restores it (calls in several threads share one switch).
+
+    Args:
+        switch: Sets the setting; returns what restores the one found.
+        restore: Restores it from what ``switch`` returned.
+    """
+
+    def __init__(self, switch: Callable[[], Any], restore: Callable[[Any], None]):
+        self._switch, self._restore = switch, restore
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._saved = self._switch()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    saved, self._saved = self._saved, None
+                    self._restore(saved)
 
 
 def _switch_to_full_float32() -> object:
@@ -116,6 +144,9 @@ def _restore(saved: object) -> None:
         torch.backends.cudnn.allow_tf32 = saved[1]
 
 
+_FULL_FLOAT32 = _SharedSwitch(_switch_to_full_float32, _restore)
+
+
 @contextlib.contextmanager
 def full_float32() -> Iterator[None]:
     """Float32 computed in full float32 (no TF32, no bf16) inside the block; restored.
@@ -130,18 +161,8 @@ def full_float32() -> Iterator[None]:
     are process-wide: concurrent calls (other models, other threads) share one switch,
     made by the first and undone by the last.
     """
-    with _PRECISION_GUARD:
-        if _PRECISION["users"] == 0:
-            _PRECISION["saved"] = _switch_to_full_float32()
-        _PRECISION["users"] += 1
-    try:
+    with _FULL_FLOAT32():
         yield
-    finally:
-        with _PRECISION_GUARD:
-            _PRECISION["users"] -= 1
-            if _PRECISION["users"] == 0:
-                saved, _PRECISION["saved"] = _PRECISION["saved"], None
-                _restore(saved)
 
 
 def _display(name: str) -> str:
@@ -874,34 +895,21 @@ def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | Non
     return None
 
 
-_EAGER_LOCK = threading.Lock()
-# calls inside the eager stance now, and the stance object that restores the setting
-_EAGER: dict[str, Any] = {"calls": 0, "stance": None}
+_EAGER_STANCE = _SharedSwitch(
+    lambda: torch.compiler.set_stance("force_eager"),  # set now; its exit restores
+    lambda stance: stance.__exit__(None, None, None),
+)
 
 
-@contextlib.contextmanager
-def _eager() -> Iterator[None]:
+def _eager() -> contextlib.AbstractContextManager:
     """A context where code compiled with ``torch.compile`` runs eagerly, as written.
 
     The recorded forward pass needs the model's layers to run as modules (their hooks
     record them; dynamo would trace through the hooks and fail in them). Eager code
     computes the same function; what dynamo would have fused is not run. Nothing to do
     where dynamo was never imported (no code can have been compiled). The stance is
-    the process's: calls in several threads share one entry, and the last to leave
-    restores the setting the first found.
+    the process's: calls in several threads share one switch (:class:`_SharedSwitch`).
     """
     if "torch._dynamo" not in sys.modules:
-        yield
-        return
-    with _EAGER_LOCK:
-        if _EAGER["calls"] == 0:
-            _EAGER["stance"] = torch.compiler.set_stance("force_eager")  # set now
-        _EAGER["calls"] += 1
-    try:
-        yield
-    finally:
-        with _EAGER_LOCK:
-            _EAGER["calls"] -= 1
-            if _EAGER["calls"] == 0:
-                stance, _EAGER["stance"] = _EAGER["stance"], None
-                stance.__exit__(None, None, None)  # the setting found before
+        return contextlib.nullcontext()
+    return _EAGER_STANCE()
