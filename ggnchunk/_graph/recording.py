@@ -317,9 +317,10 @@ class Recording(Sweeps, MemoryBound, Checks):
     def _warn_without_grad(self, uses: dict[int, int]) -> None:
         """Warn about layers whose trainable parameters ran only with gradients off.
 
-        Their diagonal is zero, as their gradients are (autograd never sees them); the
-        usual cause is a reentrant ``torch.utils.checkpoint`` whose inputs do not
-        require gradients, which torch itself only warns about.
+        Their diagonal is zero, as their gradients are (autograd never sees them): a
+        part of ``forward`` inside ``torch.no_grad()`` or ``torch.inference_mode()``
+        (a reentrant ``torch.utils.checkpoint``, which does the same, is refused
+        before this).
         """
         silent = []
         for module, (name, _) in self._units.items():
@@ -641,8 +642,7 @@ def _as_called(module: nn.Module, settings: dict[str, Any]) -> nn.Module:
 
 def _tensors_of(module: nn.Module, rule: LayerRule) -> dict[str, Any]:
     """The layer's own parameters and buffers, and its rule's tensors (``None``: none)."""
-    found: dict[str, Any] = dict.fromkeys(rule.param_names)
-    found.update((name, getattr(module, name, None)) for name in rule.param_names)
+    found = {name: getattr(module, name, None) for name in rule.param_names}
     found.update(module.named_parameters(recurse=False))
     found.update(module.named_buffers(recurse=False))
     return found
