@@ -40,7 +40,6 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, evaluate
-from ggnchunk._checks import usable
 from ggnchunk._dataset import mapping_call
 from ggnchunk._quantities import KroneckerFactors, Sampling
 
@@ -168,7 +167,7 @@ class ChunkedGGN(GGNInterface):
         if self.last_layer:
             with torch.no_grad():
                 _, features = self.model.forward_with_features(x)
-            model, inputs = self.model.last_layer, usable(features)
+            model, inputs = self.model.last_layer, features.detach()
         elif isinstance(x, Mapping):
             model, inputs = mapping_call(self.model, x)  # model(x): the dict whole
         else:
@@ -327,7 +326,7 @@ def output_variance(la: Any, x: Tensor | Any, **chunking: Any) -> Tensor:
             raise ValueError("la is not fitted; call la.fit(train_loader) first.")
         with torch.no_grad():
             _, features = la.model.forward_with_features(x)
-        model, inputs = la.model.last_layer, usable(features)
+        model, inputs = la.model.last_layer, features.detach()
     elif isinstance(x, Mapping):
         model, inputs = mapping_call(la.model, x)
     else:

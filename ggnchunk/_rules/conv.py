@@ -624,7 +624,7 @@ class ConvRule(LayerRule):
         """
         if module.padding_mode == "zeros":
             return True
-        pads = explicit_padding(module, len(as_tuple(module.kernel_size, 1)))
+        pads = explicit_padding(module, len(module.kernel_size))  # (a tuple once built)
         flat = [p for pair in reversed(pads) for p in pair]
         return list(getattr(module, "_reversed_padding_repeated_twice", flat)) == flat
 
