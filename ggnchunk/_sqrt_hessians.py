@@ -717,6 +717,50 @@ class _DenseFactor(SqrtHessianFactor):
         return part.reshape(stop - start, *self._shape)
 
 
+def _piecewise_linear(loss_func: nn.Module) -> bool:
+    """Whether the loss is piecewise linear in the output (a zero Hessian a.e.)."""
+    if isinstance(loss_func, nn.MultiMarginLoss):
+        return loss_func.p == 1
+    return isinstance(
+        loss_func, (nn.L1Loss, nn.HingeEmbeddingLoss, nn.MultiLabelMarginLoss)
+    )
+
+
+def _composite_margin(loss_func: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """Torch's margin losses written with differentiable operations (summed), or None.
+
+    ``multi_margin_loss`` and ``multilabel_margin_loss`` have no second derivative in
+    torch. These forms follow torch's documented formulas; the batch check in
+    :meth:`AutogradLossSqrtHessian._factorize` compares their sum with the loss module's
+    own value at the forward pass's outputs, so a mismatch is refused, not used.
+    """
+    if type(loss_func) is nn.MultiMarginLoss:
+        p, margin, weight = loss_func.p, loss_func.margin, loss_func.weight
+
+        def multi_margin(f: Tensor, t: Tensor) -> Tensor:  # f [B, C], t [B]
+            hinge = (margin - f.gather(1, t[:, None]) + f).clamp_min(0.0) ** p
+            classes = torch.arange(f.shape[1], device=f.device)
+            hinge = hinge.masked_fill(t[:, None] == classes, 0.0)
+            if weight is not None:
+                hinge = hinge * weight[t][:, None]
+            return hinge.sum() / f.shape[1]
+
+        return multi_margin
+    if type(loss_func) is nn.MultiLabelMarginLoss:
+
+        def multilabel_margin(f: Tensor, t: Tensor) -> Tensor:  # f, t [B, C]
+            # the targets are the indices before the first -1 of each row
+            listed = (t < 0).long().cumsum(1) == 0
+            classes = torch.arange(f.shape[1], device=f.device)
+            is_target = ((t[:, :, None] == classes) & listed[:, :, None]).any(1)
+            pairs = (1.0 - f[:, :, None] + f[:, None, :]).clamp_min(0.0)  # [B, j, i]
+            keep = is_target[:, :, None] & ~is_target[:, None, :]
+            return (pairs * keep).sum() / f.shape[1]
+
+        return multilabel_margin
+    return None
+
+
 def _scaled(term: Callable[[Tensor, Tensor], Tensor], factor: float):
     return lambda f, t: factor * term(f, t)
 
@@ -767,6 +811,9 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
 
     @staticmethod
     def _per_sample(loss_func: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+        composite = _composite_margin(loss_func)
+        if composite is not None:  # torch's kernel has no second derivative
+            return lambda f, t: composite(f.unsqueeze(0), t.unsqueeze(0))
         summed = loss_func
         if getattr(loss_func, "reduction", "sum") != "sum":
             summed = copy.copy(loss_func)  # shares parameters and buffers
@@ -856,12 +903,14 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                     ZeroHessianWarning,
                     stacklevel=user_stacklevel(),
                 )
-            if isinstance(loss_func, nn.L1Loss):  # (a sub-batch's zero is no reason)
+            if _piecewise_linear(loss_func):  # (a sub-batch's zero is no reason)
                 warnings.warn(
-                    "ggnchunk: the Hessian of loss_func (L1Loss) w.r.t. the model output "
-                    "is zero almost everywhere (the loss is piecewise linear), so the GGN "
-                    "diagonal is all zeros. Use a loss with curvature (e.g. "
-                    "nn.SmoothL1Loss or nn.HuberLoss) for a useful GGN.",
+                    f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) "
+                    "w.r.t. the model output is zero almost everywhere (the loss is "
+                    "piecewise linear), so the GGN diagonal is all zeros. Use a loss "
+                    "with curvature (e.g. nn.SmoothL1Loss or nn.HuberLoss for "
+                    "regression, nn.CrossEntropyLoss or MultiMarginLoss(p=2) for "
+                    "classes) for a useful GGN.",
                     ZeroHessianWarning,
                     stacklevel=user_stacklevel(),
                 )
@@ -874,7 +923,10 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                 f"{size} per sample exceeds ggnchunk's limit of {_DENSE_LIMIT} outputs. "
                 "Use a loss that acts elementwise, or fewer outputs per sample."
             )
-        hess = func.vmap(func.hessian(term))(output, target).reshape(-1, size, size)
+        # reverse over reverse: forward-mode AD would load torch's jvp decompositions,
+        # whose first use warns about torch.jit.script
+        hessian = func.jacrev(func.jacrev(term))
+        hess = func.vmap(hessian)(output, target).reshape(-1, size, size)
         hess = 0.5 * (hess + hess.transpose(1, 2)) * float(scale)
         values, vectors = torch.linalg.eigh(hess)
         if bool((values < -tolerance * values.abs().amax().clamp_min(1e-30)).any()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call, jacrev
 
 import ggnchunk
 from tests.quantities.test_losses_and_per_sample import LOSSES
@@ -124,6 +125,83 @@ def test_l1_loss_warns_that_its_diagonal_is_zero():
     with pytest.warns(ggnchunk.ZeroHessianWarning, match="L1Loss.*zero almost everywhere"):
         actual = ggnchunk.diag_ggn(model, nn.L1Loss(), X, targets)
     assert_diag_close(actual, expected, rtol=1e-12, label="L1")
+
+
+def _margin_reference(model, x, targets, p, margin, weight, mean):
+    """diag(J^T H J) with multi-margin's Hessian written out by hand.
+
+    Per sample with class ``y`` and active set ``A = {i != y: margin - f_y + f_i > 0}``,
+    ``l = w_y / C * sum_A (margin - f_y + f_i)^p``: for ``p = 2`` the Hessian is
+    ``2 w_y / C * sum_A (e_i - e_y)(e_i - e_y)^T``; for ``p = 1`` it is zero.
+    """
+    with torch.no_grad():
+        out = model(x)
+    num, classes = out.shape
+    expected = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+    jacobians = [
+        jacrev(lambda q, n=n: functional_call(model, q, (x[n : n + 1],))[0])(
+            {k: v.detach() for k, v in model.named_parameters()}
+        )
+        for n in range(num)
+    ]
+    for n, jac in enumerate(jacobians):
+        y = int(targets[n])
+        hess = torch.zeros(classes, classes, dtype=out.dtype)
+        for i in range(classes):
+            if i != y and p == 2 and margin - out[n, y] + out[n, i] > 0:
+                e = torch.zeros(classes, dtype=out.dtype)
+                e[i], e[y] = 1.0, -1.0
+                hess += 2.0 * (1.0 if weight is None else weight[y]) / classes * e.outer(e)
+        hess = hess / (num if mean else 1)
+        for k, j in jac.items():
+            j = j.reshape(classes, -1)
+            expected[k] += torch.einsum("ap,ab,bp->p", j, hess, j).reshape(
+                expected[k].shape
+            )
+    return expected
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_multi_margin_loss_squared_is_exact(weighted, reduction):
+    """torch has no second derivative of multi_margin_loss: a raw RuntimeError before."""
+    model = _model()
+    torch.manual_seed(3)
+    targets = torch.randint(0, 4, (5,))
+    weight = torch.rand(4, dtype=torch.float64) + 0.5 if weighted else None
+    loss = nn.MultiMarginLoss(p=2, margin=2.0, weight=weight, reduction=reduction)
+    expected = _margin_reference(model, X, targets, 2, 2.0, weight, reduction == "mean")
+    assert max(float(v.abs().max()) for v in expected.values()) > 0
+    for kwargs in ({}, {"num_chunks": 3}, {"batch_chunk_size": 1}):
+        actual = ggnchunk.diag_ggn(model, loss, X, targets, **kwargs)
+        assert_diag_close(actual, expected, rtol=1e-9, label=f"{reduction} {kwargs}")
+
+
+@pytest.mark.parametrize(
+    "make_loss, make_targets",
+    [
+        (lambda: nn.MultiMarginLoss(), lambda: torch.randint(0, 4, (5,))),
+        (lambda: nn.HingeEmbeddingLoss(), lambda: torch.randn(5, 4).sign().double()),
+        (lambda: nn.MultiLabelMarginLoss(),
+         lambda: torch.tensor([[2, 0, -1, 1]] * 3 + [[3, -1, 0, 0]] * 2)),
+    ],
+    ids=["multi-margin", "hinge-embedding", "multilabel-margin"],
+)  # fmt: skip
+def test_piecewise_linear_losses_warn_that_the_diagonal_is_zero(make_loss, make_targets):
+    """A silent zero (HingeEmbeddingLoss) or a raw RuntimeError (the margin losses)."""
+    model = _model()
+    loss, targets = make_loss(), make_targets()
+    with torch.no_grad():  # torch's own value: the sample sum the library checks
+        loss(model(X), targets)
+    if isinstance(loss, nn.HingeEmbeddingLoss):
+        expected = reference_diag_ggn(model, loss, X, targets)
+    else:  # no second derivative in torch: the Hessian is zero a.e. by hand
+        expected = _margin_reference(
+            model, X, targets.reshape(5, -1)[:, 0], 1, 1.0, None, True
+        )
+    with pytest.warns(ggnchunk.ZeroHessianWarning, match="zero almost everywhere"):
+        actual = ggnchunk.diag_ggn(model, loss, X, targets)
+    assert_diag_close(actual, expected, rtol=1e-12, label=type(loss).__name__)
 
 
 # -- user backward hooks: not fired during a call, still registered after ---------------
