@@ -164,7 +164,7 @@ def _margin_reference(model, x, targets, p, margin, weight, mean):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_multi_margin_loss_squared_is_exact(weighted, reduction):
-    """torch has no second derivative of multi_margin_loss: a raw RuntimeError before."""
+    """No second derivative of multi_margin_loss in torch: a raw RuntimeError before."""
     model = _model()
     torch.manual_seed(3)
     targets = torch.randint(0, 4, (5,))
