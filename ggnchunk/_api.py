@@ -14,7 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _scheduling, _windows
-from ggnchunk._checks import Batch, check_batch, check_positive_int, usable
+from ggnchunk._checks import (
+    Batch,
+    check_batch,
+    check_positive_int,
+    usable,
+    warnings_once,
+)
 from ggnchunk._distributed import rank_and_size, resolve_group
 from ggnchunk._engine import (
     GGNComputation,
@@ -568,6 +574,7 @@ QuantitySpec = Callable[[Problem, int], Quantity]
 """Makes the quantity of one forward pass: ``spec(problem, samples)``."""
 
 
+@warnings_once()
 def _compute(
     problem: Problem, batch: Batch, targets: Tensor | None, options: ChunkOptions,
     scale: float, spec: QuantitySpec, group=None, with_gradient: bool = False,

@@ -6,8 +6,12 @@ Everything here runs before the forward pass; checks that need the model output
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -256,6 +260,46 @@ def check_batch(
 # frames a warning passes through between ggnchunk and its caller: torch's decorators
 # (``no_grad``) and ``torch.optim``'s step hooks around ``DiagGGNOptimizer.step``
 _WRAPPERS = frozenset({"torch.utils._contextlib", "torch.optim.optimizer", "contextlib"})
+
+
+# the warnings given so far in the running call (None: outside a call)
+_SAID: contextvars.ContextVar[set[tuple[type, str]] | None] = contextvars.ContextVar(
+    "ggnchunk_warnings_said", default=None
+)
+
+
+@contextlib.contextmanager
+def warnings_once() -> Iterator[None]:
+    """Within the block (a call, a dataset loop), each distinct warning is given once.
+
+    A call runs one forward pass and sweep per sub-batch (``batch_chunk_size``, a
+    dataset's batches): the same finding would otherwise be repeated for each, and
+    Python's own once-per-place registry is reset whenever ``warnings.catch_warnings``
+    exits anywhere in the process. Nested blocks share the outermost block's record.
+    """
+    if _SAID.get() is not None:
+        yield
+        return
+    token = _SAID.set(set())
+    try:
+        yield
+    finally:
+        _SAID.reset(token)
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` at the user's frame, once per :func:`warnings_once` block.
+
+    Args:
+        message: The warning's text.
+        category: Its class.
+    """
+    said = _SAID.get()
+    if said is not None:
+        if (category, message) in said:
+            return
+        said.add((category, message))
+    warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 def user_stacklevel() -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, evaluate
+from ggnchunk._checks import warnings_once
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 from ggnchunk._quantities import Sampling
 from ggnchunk._sqrt_hessians import as_loss_module, averages
@@ -468,14 +469,15 @@ def diag_ggn_dataset(
             bar = tqdm(total=len(data) if hasattr(data, "__len__") else None,
                        desc="GGN diagonal", unit="batch")  # fmt: skip
     try:
-        for batch in data:
-            split_batch(batch, dict_key_x, dict_key_y)  # its shape, before any copy
-            report = accumulator.update(_to_device(batch, device))
-            if bar is not None:
-                bar.set_postfix(
-                    columns_per_pass=report.chunk_size, passes=report.num_passes
-                )
-                bar.update(1)
+        with warnings_once():  # a finding about the model: said once, not per batch
+            for batch in data:
+                split_batch(batch, dict_key_x, dict_key_y)  # its shape, before any copy
+                report = accumulator.update(_to_device(batch, device))
+                if bar is not None:
+                    bar.set_postfix(
+                        columns_per_pass=report.chunk_size, passes=report.num_passes
+                    )
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._autograd import quiet_autograd
-from ggnchunk._checks import user_stacklevel
+from ggnchunk._checks import warn
 from ggnchunk._windows import Windowed, window
 from ggnchunk.losses import GaussianNLL
 
@@ -893,7 +892,7 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
             if bool((hess < 0).any()):
                 self._warn_not_convex(loss_func)
             if isinstance(loss_func, nn.KLDivLoss):
-                warnings.warn(
+                warn(
                     "ggnchunk: nn.KLDivLoss is linear in its input (the model's "
                     "log-probabilities), so its Hessian w.r.t. the model output and "
                     "the GGN diagonal are all zeros. For the Fisher of a categorical "
@@ -901,10 +900,9 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                     "probabilities (or a function applying log_softmax inside the "
                     "loss).",
                     ZeroHessianWarning,
-                    stacklevel=user_stacklevel(),
                 )
             if _piecewise_linear(loss_func):  # (a sub-batch's zero is no reason)
-                warnings.warn(
+                warn(
                     f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) "
                     "w.r.t. the model output is zero almost everywhere (the loss is "
                     "piecewise linear), so the GGN diagonal is all zeros. Use a loss "
@@ -912,7 +910,6 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
                     "regression, nn.CrossEntropyLoss or MultiMarginLoss(p=2) for "
                     "classes) for a useful GGN.",
                     ZeroHessianWarning,
-                    stacklevel=user_stacklevel(),
                 )
             return _DiagonalFactor(hess.clamp_min(0.0).sqrt())
         size = output[0].numel()
@@ -936,13 +933,12 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
 
     @staticmethod
     def _warn_not_convex(loss_func: nn.Module) -> None:
-        warnings.warn(
+        warn(
             f"ggnchunk: the Hessian of loss_func ({type(loss_func).__name__}) w.r.t. the "
             "model output has negative eigenvalues at some samples (the loss is not "
             "convex there); the GGN uses its positive part (negative eigenvalues set to "
             "0), which keeps the curvature positive semi-definite.",
             NotConvexWarning,
-            stacklevel=user_stacklevel(),
         )
 
 

@@ -11,7 +11,6 @@ import copy
 import os
 import sys
 import threading
-import warnings
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from ggnchunk._autograd import (
     grad_shape,
     output_count,
 )
-from ggnchunk._checks import user_stacklevel
+from ggnchunk._checks import warn
 from ggnchunk._folding import from_batch, glue_workspace, layer_entered, layer_left
 from ggnchunk._graph.bound import MemoryBound
 from ggnchunk._graph.checks import Checks
@@ -336,14 +335,13 @@ class Recording(Sweeps, MemoryBound, Checks):
             shown = ", ".join(silent[:3]) + (
                 f" and {len(silent) - 3} more" if len(silent) > 3 else ""
             )
-            warnings.warn(
+            warn(
                 f"ggnchunk: {shown} ran with gradients disabled in the forward pass "
                 "(inside torch.no_grad() or torch.inference_mode()), so no gradient "
                 "reaches their trainable parameters: their GGN diagonal is zero, as "
                 "their gradients are. Run them with gradients enabled for their "
                 "curvature, or set requires_grad=False on their parameters.",
                 GradientDisabledWarning,
-                stacklevel=user_stacklevel(),
             )
 
     def _schedule_crossings(self) -> None:

@@ -10,7 +10,6 @@ noted and warned about once.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from ggnchunk._autograd import (
     edge_key,
     noting,
 )
-from ggnchunk._checks import user_stacklevel
+from ggnchunk._checks import warn
 from ggnchunk._graph.compress import compressed
 from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
@@ -435,7 +434,7 @@ class Sweeps(Traversal):
             return
         self._warned = True
         found = "; ".join(f"{op} in {where}" for op, where in self.fallbacks.items())
-        warnings.warn(
+        warn(
             f"torch has no batched backward for {found}: the backward sweeps run it once "
             "per square-root column, which is exact but can be many times slower. Layers "
             "with a rule (see ggnchunk.supported_layers_table()), frozen or not, "
@@ -446,7 +445,6 @@ class Sweeps(Traversal):
             "other functional calls or custom layers there, or call model.eval() if "
             "dropout inside attention is the cause.",
             SlowBackwardWarning,
-            stacklevel=user_stacklevel(),
         )
 
 

@@ -6,6 +6,8 @@ and the fix.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -202,6 +204,27 @@ def test_piecewise_linear_losses_warn_that_the_diagonal_is_zero(make_loss, make_
     with pytest.warns(ggnchunk.ZeroHessianWarning, match="zero almost everywhere"):
         actual = ggnchunk.diag_ggn(model, loss, X, targets)
     assert_diag_close(actual, expected, rtol=1e-12, label=type(loss).__name__)
+
+
+def test_a_finding_is_said_once_per_call_not_per_sub_batch():
+    """Each sub-batch (batch_chunk_size, a dataset's batches) repeated its warnings."""
+    model, targets = _model(), torch.randn(5, 4, dtype=torch.float64)
+    bag = nn.Sequential(nn.EmbeddingBag(9, 3), nn.Linear(3, 2)).double()
+    tokens = torch.randint(0, 9, (5, 4))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ggnchunk.diag_ggn(model, nn.L1Loss(), X, targets, batch_chunk_size=2)
+        ggnchunk.diag_ggn(bag, nn.CrossEntropyLoss(), tokens, targets[:, 0].sign().long()
+                          .clamp_min(0), batch_chunk_size=1)  # fmt: skip
+        ggnchunk.diag_ggn_dataset(
+            model, nn.L1Loss(), [(X[:2], targets[:2]), (X[2:], targets[2:])]
+        )
+    said = [(type(w.message).__name__, w.filename) for w in record]
+    assert said == [
+        ("ZeroHessianWarning", __file__),
+        ("SlowBackwardWarning", __file__),
+        ("ZeroHessianWarning", __file__),
+    ], said
 
 
 # -- user backward hooks: not fired during a call, still registered after ---------------
