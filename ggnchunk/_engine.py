@@ -245,6 +245,16 @@ class Problem:
                 f"({sorted(map(str, devices))}); move the model to one device with "
                 "model.to(device)."
             )
+        complex_ = [(n, p.dtype) for n, p in params if p.is_complex()]
+        if complex_:
+            name, kind = complex_[0]
+            raise ValueError(
+                f"the parameter {name!r} is complex ({kind}); the GGN diagonal is "
+                "defined here for real parameters. Store it as a real tensor with a last "
+                "axis of 2 (real and imaginary part: nn.Parameter(torch.view_as_real(w))) "
+                "and use torch.view_as_complex(...) in forward: the diagonal then has an "
+                "entry for each part."
+            )
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) > 1:
             raise ValueError(

@@ -623,3 +623,50 @@ def test_layers_on_a_sequence_first_axis(steps):
     for name, options in CHUNKINGS.items():
         diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
         assert_diag_close(diag, expected, 1e-9, name)
+
+
+class _SpectralConv(nn.Module):
+    """A Fourier neural operator's layer: a product of the lowest modes (neuraloperator).
+
+    Its complex weights stored as real pairs (``torch.view_as_real``); ``complex_=True``
+    keeps them complex, which is refused.
+    """
+
+    def __init__(self, channels: int = 3, modes: int = 3, complex_: bool = False):
+        super().__init__()
+        torch.manual_seed(4)
+        w = torch.randn(channels, channels, modes, modes, dtype=torch.complex128) * 0.3
+        self.w = nn.Parameter(w if complex_ else torch.view_as_real(w))
+        self.modes, self.lift, self.mix = (
+            modes,
+            nn.Conv2d(2, channels, 1),
+            nn.Conv2d(3, 3, 1),
+        )
+        self.proj = nn.Conv2d(channels, 2, 1)
+
+    def forward(self, x):
+        h = self.lift(x)
+        spectrum, m = torch.fft.rfft2(h), self.modes
+        w = self.w if self.w.is_complex() else torch.view_as_complex(self.w)
+        low = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :m, :m], w)
+        mixed = torch.zeros_like(spectrum)
+        mixed[:, :, :m, :m] = low
+        return self.proj(F.gelu(torch.fft.irfft2(mixed, s=h.shape[-2:]) + self.mix(h)))
+
+
+@pytest.mark.parametrize("options", list(CHUNKINGS.values()), ids=list(CHUNKINGS))
+def test_a_fourier_layer_with_real_stored_complex_weights_is_exact(options):
+    model = _SpectralConv().double()
+    x, y = _data()
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+    assert actual["w"].shape == model.w.shape  # one entry per real and imaginary part
+    assert_diag_close(actual, expected, rtol=1e-9, label=str(options))
+
+
+def test_complex_parameters_are_refused_with_the_real_storage_fix():
+    """Before: "several dtypes … convert with model.double()", which leaves them complex."""
+    model = _SpectralConv(complex_=True).double()
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"'w' is complex .*view_as_real"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
