@@ -13,8 +13,9 @@ forward computation with such a backward:
   keeps its rule): :mod:`ggnchunk._resample`;
 - ``F.pad`` (every mode), max and average pooling (1-3d, also adaptive), pixel
   shuffles, ``flip``, ``roll``, ``masked_fill``, ``where``, ``softmax``, batch norm with
-  running statistics and ``table[index]`` outside layers with a rule (the pooling
-  layers keep theirs): :mod:`ggnchunk._glue_kernels`.
+  running statistics, ``table[index]`` and functional activations (``F.silu``,
+  ``F.gelu``, ``torch.tanh``, ...) outside layers with a rule (the pooling and
+  activation layers keep theirs): :mod:`ggnchunk._glue_kernels`.
 
 Calls they cannot reproduce exactly are left as they are, and so is every call inside
 a ``torch.utils.checkpoint`` region (its backward runs the calls again as written and

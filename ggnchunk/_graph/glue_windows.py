@@ -392,6 +392,8 @@ def _step(
     if act == "pointwise":
         d = derivative.get(id(n))
         if d is None:
+            d = getattr(n, "slope", None)  # a folded activation's (made once, forward)
+        if d is None:
             shape = grad_shape(n, 0)
             ones = torch.ones(shape, dtype=block.data.dtype, device=block.data.device)
             d = derivative[id(n)] = apply_node(n, ones)[0]

@@ -155,6 +155,21 @@ CALLS = {
             torch.tensor([True, False, True, False]), torch.zeros(4).double(), x
         ),
     ),
+    # functional activations: torch's batching loops over the columns for their backward
+    "silu": ((2, 3, 4, 4), F.silu),
+    "gelu": ((2, 3, 4), F.gelu),
+    "gelu-tanh": ((2, 3, 4), lambda x: F.gelu(x, approximate="tanh")),
+    "mish": ((2, 3, 4), F.mish),
+    "hardswish": ((2, 3, 4), lambda x: F.hardswish(x * 4)),
+    "hardsigmoid": ((2, 3, 4), lambda x: F.hardsigmoid(x * 4)),
+    "leaky-relu": ((2, 3, 4), lambda x: F.leaky_relu(x, negative_slope=0.2)),
+    "elu": ((2, 3, 4), lambda x: F.elu(x, 0.7)),
+    "softplus": ((2, 3, 4), lambda x: F.softplus(x, beta=2.0, threshold=1.0)),
+    "hardtanh": ((2, 3, 4), lambda x: F.hardtanh(x, -0.5, 0.8)),
+    "relu6": ((2, 3, 4), lambda x: F.relu6(x * 5)),
+    "tanh": ((2, 3, 4), torch.tanh),
+    "tensor-tanh": ((2, 3, 4), lambda x: x.tanh()),
+    "functional-tanh": ((2, 3, 4), F.tanh),
 }
 
 
