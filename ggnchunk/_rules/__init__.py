@@ -35,7 +35,7 @@ from ggnchunk._rules.conv import ConvRule, ConvTransposeRule
 from ggnchunk._rules.embedding import EmbeddingRule
 from ggnchunk._rules.folded import FoldedRule
 from ggnchunk._rules.kernels import square_sum
-from ggnchunk._rules.linear import LinearRule
+from ggnchunk._rules.linear import Conv1DRule, LinearRule
 from ggnchunk._rules.norm import (
     BatchNormRule,
     GroupNormRule,
@@ -59,6 +59,7 @@ __all__ = [
 
 RULES: list[LayerRule] = [
     LinearRule(),
+    Conv1DRule(),
     ConvRule(),
     ConvTransposeRule(),
     BatchNormRule(),
@@ -221,8 +222,13 @@ def supported_layers_table() -> str:
     """
     rows = ["| layer | how | notes |", "|---|---|---|"]
     for rule in RULES:
-        for cls in rule.classes:
-            rows.append(f"| `nn.{cls.__name__}` | rule `{type(rule).__name__}` | "
+        names = getattr(rule, "listed", None) or [
+            f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn")
+            else f"{cls.__module__}.{cls.__qualname__}"
+            for cls in rule.classes
+        ]  # fmt: skip
+        for name in names:
+            rows.append(f"| `{name}` | rule `{type(rule).__name__}` | "
                         f"{rule.description} |")  # fmt: skip
     rows.append(
         "| any other layer without parameters (dropout, max pooling, reshapes, `cat`,"

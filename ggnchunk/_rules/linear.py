@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
+import sys
+import textwrap
 
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
 from ggnchunk._rules.kernels import BLOCK, products, square_sum, square_sum_bytes
 
-__all__ = ["LinearRule"]
+__all__ = ["Conv1DRule", "LinearRule"]
 
 
 class LinearRule(LayerRule):
@@ -119,3 +124,95 @@ class LinearRule(LayerRule):
 
     def backprop_bytes(self, ctx, element):  # one product with the weight, no products
         return 2 * math.prod(ctx.out_shape) * element, 0, 0
+
+
+_CONV1D_FORWARD = """def forward(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+"""
+"""``Conv1D.forward`` of ``transformers.pytorch_utils`` as the rule knows it."""
+
+
+@functools.cache
+def _conv1d_class(cls: type) -> bool:
+    """Whether ``cls`` is transformers' ``Conv1D`` with the ``forward`` the rule knows.
+
+    Compared as syntax trees (comments and layout aside, every name and operation).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        return ast.dump(ast.parse(source)) == ast.dump(ast.parse(_CONV1D_FORWARD))
+    except (OSError, TypeError, SyntaxError):  # no source to read: not known
+        return False
+
+
+class Conv1DRule(LinearRule):
+    """The ``Conv1D`` of transformers (GPT-2, OpenAI GPT): linear, weight ``[in, out]``.
+
+    ``y = b + x W`` with ``W`` of shape ``[in, out]``: :class:`LinearRule` on ``W^T``,
+    its results transposed back. The class is taken only from a loaded
+    ``transformers.pytorch_utils`` whose ``Conv1D.forward`` is, line for line, the one
+    this rule knows; any other version is left to the recorded graph (exact, slower).
+    ggnchunk does not import transformers.
+    """
+
+    description = (
+        "GPT-2's projections, `y = b + x W` with `W` `[in, out]` (when transformers is "
+        "imported and its `forward` is the known one)"
+    )
+    listed = ("transformers.pytorch_utils.Conv1D",)  # whether transformers is loaded or not
+    kron = False
+
+    @property
+    def classes(self) -> tuple[type[nn.Module], ...]:  # type: ignore[override]
+        """The ``Conv1D`` of transformers where it is loaded and known, else none."""
+        module = sys.modules.get("transformers.pytorch_utils")
+        cls = getattr(module, "Conv1D", None) if module is not None else None
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and _conv1d_class(cls):
+            return (cls,)
+        return ()
+
+    def accepts(self, module: nn.Module) -> bool:
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        return (
+            isinstance(weight, Tensor) and weight.dim() == 2
+            and getattr(module, "nf", None) == weight.shape[1]
+            and isinstance(bias, Tensor) and tuple(bias.shape) == (weight.shape[1],)
+        )  # fmt: skip
+
+    def diag(self, ctx, grads):
+        module, out = ctx.module, {}
+        a, b = self._sides(ctx, grads)
+        if trainable(module, "weight"):  # [out, in] products: no accumulator of [in, out]
+            out["weight"] = square_sum(a, b, ctx.caches, columns=ctx.columns)[0].T
+        if trainable(module, "bias"):
+            out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
+        return out
+
+    def per_sample(self, ctx, grads):
+        out = super().per_sample(ctx, grads)
+        if "weight" in out:
+            out["weight"] = out["weight"].transpose(-1, -2)
+        return out
+
+    def diag_per_sample(self, ctx, grads):
+        out = super().diag_per_sample(ctx, grads)
+        if out is not None and "weight" in out:
+            out["weight"] = out["weight"].transpose(-1, -2)
+        return out
+
+    def backprop(self, ctx, grads):
+        return grads @ ctx.module.weight.detach().T
+
+    def diag_onehot(self, ctx, mask):
+        module, x = ctx.module, ctx.x
+        o, i = mask.shape[-1], x.shape[-1]
+        mask = mask.expand(x.shape[0], *mask.shape[1:]).reshape(-1, o)
+        out = {}
+        if trainable(module, "weight"):
+            out["weight"] = x.reshape(-1, i).square().T @ mask  # [in, out]
+        if trainable(module, "bias"):
+            out["bias"] = mask.sum(0)
+        return out
