@@ -22,6 +22,11 @@ class LinearRule(LayerRule):
 
     classes = (nn.Linear,)
     description = "any leading axes `[N, ..., D]`"
+    weight_in_out = False  # the weight is [in, out] (transformers' Conv1D), not [out, in]
+
+    def _laid_out(self, weight: Tensor) -> Tensor:
+        """A weight-shaped result ``[..., out, in]`` in the weight's own layout."""
+        return weight.transpose(-1, -2) if self.weight_in_out else weight
 
     @staticmethod
     def _sides(ctx: RuleContext, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -36,13 +41,14 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         a, b = self._sides(ctx, grads)
         if trainable(module, "weight"):
-            into = ctx.accumulator("weight", a.dtype)
+            # (an accumulator has the weight's layout: [out, in] products only)
+            into = None if self.weight_in_out else ctx.accumulator("weight", a.dtype)
             weight = square_sum(
                 a, b, ctx.caches, columns=ctx.columns,
                 into=None if into is None else into.unsqueeze(0),
             )  # fmt: skip
             if weight is not None:
-                out["weight"] = weight[0]
+                out["weight"] = self._laid_out(weight[0])
         if trainable(module, "bias"):
             out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
         return out
@@ -51,7 +57,7 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         a, b = self._sides(ctx, grads)
         if trainable(module, "weight"):
-            out["weight"] = products(a, b)[:, :, 0]
+            out["weight"] = self._laid_out(products(a, b)[:, :, 0])
         if trainable(module, "bias"):
             out["bias"] = a.sum(4)[:, :, 0]
         return out
@@ -63,7 +69,9 @@ class LinearRule(LayerRule):
         module, out = ctx.module, {}
         squares = grads.reshape(grads.shape[0], x.shape[0], -1).square().sum(0)  # [N, O]
         if trainable(module, "weight"):
-            out["weight"] = squares[:, :, None] * x.reshape(x.shape[0], 1, -1).square()
+            out["weight"] = self._laid_out(
+                squares[:, :, None] * x.reshape(x.shape[0], 1, -1).square()
+            )
         if trainable(module, "bias"):
             out["bias"] = squares
         return out
@@ -71,7 +79,8 @@ class LinearRule(LayerRule):
     sample_free_backprop = True
 
     def backprop(self, ctx, grads):
-        return grads @ ctx.module.weight.detach()
+        weight = ctx.module.weight.detach()
+        return grads @ (weight.T if self.weight_in_out else weight)
 
     kron = True
 
@@ -91,7 +100,9 @@ class LinearRule(LayerRule):
         if trainable(module, "weight"):
             squares = x.reshape(-1, i).square()
             into = ctx.accumulator("weight", squares.dtype)
-            if into is not None:
+            if self.weight_in_out:
+                out["weight"] = squares.T @ mask  # [in, out]
+            elif into is not None:
                 # into the result: no temporary of the weight's size (a language
                 # model's head is its largest matrix)
                 into.addmm_(mask.T, squares)
@@ -153,8 +164,9 @@ class Conv1DRule(LinearRule):
 
     ``y = b + x W`` with ``W`` of shape ``[in, out]``: :class:`LinearRule` on ``W^T``,
     its results transposed back. The class is taken only from a loaded
-    ``transformers.pytorch_utils`` whose ``Conv1D.forward`` is, line for line, the one
-    this rule knows; any other version is left to the recorded graph (exact, slower).
+    ``transformers.pytorch_utils`` whose ``Conv1D.forward`` is the one this rule knows
+    (compared as syntax trees); any other version is left to the recorded graph (exact,
+    slower).
     ggnchunk does not import transformers.
     """
 
@@ -163,6 +175,7 @@ class Conv1DRule(LinearRule):
         "imported and its `forward` is the known one)"
     )
     listed = ("transformers.pytorch_utils.Conv1D",)  # whether transformers is loaded or not
+    weight_in_out = True
     kron = False
 
     @property
@@ -181,38 +194,3 @@ class Conv1DRule(LinearRule):
             and getattr(module, "nf", None) == weight.shape[1]
             and isinstance(bias, Tensor) and tuple(bias.shape) == (weight.shape[1],)
         )  # fmt: skip
-
-    def diag(self, ctx, grads):
-        module, out = ctx.module, {}
-        a, b = self._sides(ctx, grads)
-        if trainable(module, "weight"):  # [out, in] products: no accumulator of [in, out]
-            out["weight"] = square_sum(a, b, ctx.caches, columns=ctx.columns)[0].T
-        if trainable(module, "bias"):
-            out["bias"] = a.sum(4)[:, :, 0].square().sum((0, 1))
-        return out
-
-    def per_sample(self, ctx, grads):
-        out = super().per_sample(ctx, grads)
-        if "weight" in out:
-            out["weight"] = out["weight"].transpose(-1, -2)
-        return out
-
-    def diag_per_sample(self, ctx, grads):
-        out = super().diag_per_sample(ctx, grads)
-        if out is not None and "weight" in out:
-            out["weight"] = out["weight"].transpose(-1, -2)
-        return out
-
-    def backprop(self, ctx, grads):
-        return grads @ ctx.module.weight.detach().T
-
-    def diag_onehot(self, ctx, mask):
-        module, x = ctx.module, ctx.x
-        o, i = mask.shape[-1], x.shape[-1]
-        mask = mask.expand(x.shape[0], *mask.shape[1:]).reshape(-1, o)
-        out = {}
-        if trainable(module, "weight"):
-            out["weight"] = x.reshape(-1, i).square().T @ mask  # [in, out]
-        if trainable(module, "bias"):
-            out["bias"] = mask.sum(0)
-        return out
