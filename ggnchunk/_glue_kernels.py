@@ -741,58 +741,30 @@ class _Activation(_Spec):
         return grads * ctx.slope  # [V, *x] (or one column's [*x]) times [*x]
 
 
-def _ones(x: Tensor) -> Tensor:
-    return torch.ones_like(x)
-
-
-_aten = torch.ops.aten
-# function: (argument names, defaults, slope from (input, output, arguments), node name);
-# each slope is torch's own backward kernel of the activation applied to ones
-_ACTIVATIONS: dict[Any, tuple[tuple[str, ...], dict[str, Any], Callable, str]] = {
-    F.silu: (("input", "inplace"), {},
-             lambda x, y, a: _aten.silu_backward(_ones(x), x), "SiluBackward0"),
-    F.gelu: (("input", "approximate"), {"approximate": "none"},
-             lambda x, y, a: _aten.gelu_backward(_ones(x), x,
-                                                 approximate=a["approximate"]),
-             "GeluBackward0"),
-    F.mish: (("input", "inplace"), {},
-             lambda x, y, a: _aten.mish_backward(_ones(x), x), "MishBackward0"),
-    F.hardswish: (("input", "inplace"), {},
-                  lambda x, y, a: _aten.hardswish_backward(_ones(x), x),
-                  "HardswishBackward0"),
-    F.hardsigmoid: (("input", "inplace"), {},
-                    lambda x, y, a: _aten.hardsigmoid_backward(_ones(x), x),
-                    "HardsigmoidBackward0"),
-    F.leaky_relu: (("input", "negative_slope", "inplace"), {"negative_slope": 0.01},
-                   lambda x, y, a: _aten.leaky_relu_backward(
-                       _ones(x), x, a["negative_slope"], False),
+# function: (its argument names, the activation layer it computes, its node's name). The
+# derivative is the layers' own (:func:`ggnchunk._rules.activation.derivative`: torch's
+# backward kernel applied to ones), from the layer made with the call's arguments
+_ACTIVATIONS: dict[Any, tuple[tuple[str, ...], type[torch.nn.Module], str]] = {
+    F.silu: (("input", "inplace"), torch.nn.SiLU, "SiluBackward0"),
+    F.gelu: (("input", "approximate"), torch.nn.GELU, "GeluBackward0"),
+    F.mish: (("input", "inplace"), torch.nn.Mish, "MishBackward0"),
+    F.hardswish: (("input", "inplace"), torch.nn.Hardswish, "HardswishBackward0"),
+    F.hardsigmoid: (("input", "inplace"), torch.nn.Hardsigmoid, "HardsigmoidBackward0"),
+    F.leaky_relu: (("input", "negative_slope", "inplace"), torch.nn.LeakyReLU,
                    "LeakyReluBackward0"),
-    F.elu: (("input", "alpha", "inplace"), {"alpha": 1.0},
-            lambda x, y, a: _aten.elu_backward(_ones(x), a["alpha"], 1, 1, False, x),
-            "EluBackward0"),
-    F.softplus: (("input", "beta", "threshold"), {"beta": 1.0, "threshold": 20.0},
-                 lambda x, y, a: _aten.softplus_backward(
-                     _ones(x), x, a["beta"], a["threshold"]),
-                 "SoftplusBackward0"),
-    F.hardtanh: (("input", "min_val", "max_val", "inplace"),
-                 {"min_val": -1.0, "max_val": 1.0},
-                 lambda x, y, a: _aten.hardtanh_backward(
-                     _ones(x), x, a["min_val"], a["max_val"]),
+    F.elu: (("input", "alpha", "inplace"), torch.nn.ELU, "EluBackward0"),
+    F.softplus: (("input", "beta", "threshold"), torch.nn.Softplus, "SoftplusBackward0"),
+    F.hardtanh: (("input", "min_val", "max_val", "inplace"), torch.nn.Hardtanh,
                  "HardtanhBackward0"),
-    F.relu6: (("input", "inplace"), {},
-              lambda x, y, a: _aten.hardtanh_backward(_ones(x), x, 0.0, 6.0),
-              "HardtanhBackward0"),
-    **{
-        f: (("input",), {}, lambda x, y, a: _aten.tanh_backward(_ones(y), y),
-            "TanhBackward0")
-        for f in (torch.tanh, Tensor.tanh)
-    },
+    F.relu6: (("input", "inplace"), torch.nn.ReLU6, "HardtanhBackward0"),
+    torch.tanh: (("input",), torch.nn.Tanh, "TanhBackward0"),
+    Tensor.tanh: (("input",), torch.nn.Tanh, "TanhBackward0"),
 }  # fmt: skip
 """Functional activations folded in the glue (see :class:`_Activation`)."""
 
 
 def _activation(func: Any) -> Callable[[tuple, dict], _Spec | None]:
-    names, defaults, slope, name = _ACTIVATIONS[func]
+    names, layer, name = _ACTIVATIONS[func]
 
     def fold(args: tuple, kwargs: dict) -> _Spec | None:
         bound = _bind(names, args, kwargs)
@@ -800,13 +772,16 @@ def _activation(func: Any) -> Callable[[tuple, dict], _Spec | None]:
             return None  # in place: torch's own (its node saves the output)
         x = bound.pop("input")
         bound.pop("inplace", None)
-        options = {**defaults, **bound}
         if not all(
             isinstance(v, (int, float, str)) and not isinstance(v, bool)
-            for v in options.values()
+            for v in bound.values()
         ):
             return None
-        spec = _Activation(func, bound, lambda x, y: slope(x, y, options), name)
+        # (imported here: the rules import this module's transposed pads)
+        from ggnchunk._rules.activation import derivative
+
+        module = layer(**bound)
+        spec = _Activation(func, bound, lambda x, y: derivative(module, x), name)
         return _on(spec, x)
 
     return fold
