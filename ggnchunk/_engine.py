@@ -370,7 +370,11 @@ class GGNComputation:
         self.quantity = quantity
         self._sampling = sampling
         self._recording = Recording(
-            problem.units, problem.params, batch.size, quantity.every_product
+            problem.units,
+            problem.params,
+            batch.size,
+            quantity.every_product,
+            quantity.pairs_tied,
         )
         self._windows = windows.Choice(key)
         self._inplace: list[nn.Module] = []

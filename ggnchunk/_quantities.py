@@ -47,6 +47,8 @@ from ggnchunk._autograd import (
 from ggnchunk._distributed import all_reduce_sum
 from ggnchunk._graph.readers import per_sample as read_per_sample
 from ggnchunk._graph.readers import reader_groups, reader_room, release, shared_edges
+from ggnchunk._rules.tied import embedding_cross as tied_cross
+from ggnchunk._rules.tied import head_rows as tied_rows
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
 from ggnchunk._windows import Windowed, dense, mix
 
@@ -158,10 +160,17 @@ class Quantity:
     """What it adds up depends on the columns only through each sample's Gram matrix
     ``sum_v g_v g_v^T`` (the diagonal, Kronecker factors): the sweep may then replace the
     columns by fewer with the same Gram (:mod:`ggnchunk._graph.compress`)."""
+    pairs_tied = False
+    """A table shared by an embedding and an output head is added as the two layers'
+    diagonals plus their cross term (:mod:`ggnchunk._rules.tied`); the quantity then
+    keeps per-column rows between the two (:attr:`carried`)."""
 
     def __init__(self, problem: Problem | None = None, samples: int = 0):
         self.problem = problem
         self.samples = samples
+        # per-column tensors ``[V, N, ...]`` kept from one layer to a later one in a
+        # sweep (linear in the columns: replaced with them where the sweep compresses)
+        self.carried: dict[int, Tensor] = {}
 
     # -- columns and set-up -----------------------------------------------------------
     def factorize(
@@ -351,6 +360,9 @@ class _Products(Quantity):
         self._skip: set[int] = set()
         self._done: set[int] = set()
         self._partial: list[tuple[tuple[int, int], set[int]]] = []  # failed sweeps
+        # a tied table's parts (its two layers' diagonals and their cross term),
+        # added to the result once the sweep is done: a failed sweep adds none
+        self._tied: dict[int, Tensor] = {}
 
     def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         # a sweep that fails (out of memory) is retried in parts of its range, which
@@ -361,13 +373,20 @@ class _Products(Quantity):
         )
         self._done = set()
         self._buffers = {}
+        self._tied = {}
+        self.carried = {}
 
     def abort(self) -> None:
         self._partial.append((self._range, self._done))
         self._buffers = {}
+        self._tied = {}
+        self.carried = {}
 
     def _add(self, index: int, value: Tensor) -> None:
         if index in self._skip:
+            return
+        if index in self._tied:
+            self._tied[index] += value
             return
         self._accumulate(index, value)
         self._done.add(index)
@@ -467,7 +486,8 @@ class _Products(Quantity):
             return False
         for i, pname in call.params:
             if into is not None and pname in into and pname not in values:
-                self._done.add(i)  # the rule added its value to the result in place
+                if i not in self._tied:  # a tied table's part: added at the end
+                    self._done.add(i)  # the rule added its value to the result in place
             else:
                 self._add(i, values[pname])
         return True
@@ -602,6 +622,10 @@ class _Products(Quantity):
         for i, value in self._buffers.items():
             self._add(i, self._square(i, value))
         self._buffers = {}
+        tied, self._tied = self._tied, {}
+        for i, value in tied.items():
+            self._add(i, value)
+        self.carried = {}
 
     def _square(self, index: int, products: Tensor) -> Tensor:
         return products.square().sum((0, 1))
@@ -612,6 +636,7 @@ class DiagonalGGN(_Products):
 
     windowed = True
     gram_only = True
+    pairs_tied = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)
@@ -623,8 +648,31 @@ class DiagonalGGN(_Products):
         self._mask = sqrt.squared_mask(start, stop)
 
     def _into(self, call: Call) -> dict[str, Tensor]:
-        # the diagonal's accumulators themselves (a skipped parameter is left alone)
-        return {pname: self.result[i] for i, pname in call.params if i not in self._skip}
+        # the diagonal's accumulators themselves (a skipped parameter is left alone), a
+        # tied table's parts for this sweep
+        return {
+            pname: self._tied.get(i, self.result[i])
+            for i, pname in call.params
+            if i not in self._skip
+        }
+
+    def layer(self, recording: Recording, call: Call, grads: Tensor) -> None:
+        tied = [
+            (i, pair) for i, _ in call.params
+            if (pair := recording.tied.get(i)) is not None and i not in self._skip
+        ]  # fmt: skip
+        for i, _ in tied:
+            if i not in self._tied:
+                self._tied[i] = torch.zeros_like(self.result[i])
+        super().layer(recording, call, grads)
+        for i, (head, embedding) in tied:
+            if call.index == head:  # the head's products on the tokens' rows
+                self.carried[i] = tied_rows(
+                    call.ctx, dense(grads), recording.calls[embedding].ctx
+                )
+            elif i in self.carried:  # the embedding: the cross term
+                rows = self.carried.pop(i)
+                self._add(i, tied_cross(call.ctx, dense(grads), rows))
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
         # one-hot columns at the model output: the diagonal from the mask alone

@@ -138,18 +138,30 @@ class MemoryBound(Traversal):
                 for i, _ in call.params
                 if i in self.shared and call.index not in boxed
             )
-            settle(size + rule + shared)
+            settle(size + rule + shared + tied.get(call.index, 0))
             if call.leaf is None:
                 return None
             inputs = sized("in", call, call.ctx.x[0].numel())
             settle(size + inputs)
             return inputs
 
+        # a tied table's rows kept from the head to the embedding (counted throughout)
+        # and, at the head, the gathered logits they are made from
+        tied: dict[int, int] = {}
+        carried = 0
+        for head, embedding in self.tied.values():
+            rows = self.calls[embedding].out_numel
+            positions = rows // max(self.calls[embedding].ctx.module.embedding_dim, 1)
+            inner = self.calls[head].ctx.x[0].numel() // max(
+                self.calls[head].ctx.x.shape[-1], 1
+            )
+            tied[head] = tied.get(head, 0) + inner * positions + rows
+            carried += rows
         # the sweep's own traversal, on sizes (elements per column and sample)
         self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
         squared = {i for c in self.calls if c.index in boxed for i, _ in c.params}
         shared_total = sum(self._params[i].numel() for i in self.shared if i not in squared)
-        return int(self.size_margin() * (worst + shared_total) * n * element)
+        return int(self.size_margin() * (worst + shared_total + carried) * n * element)
 
     def alignment_margin(self) -> int:
         """The factor on the windowed sweeps' sizes for columns placed elsewhere.

@@ -14,7 +14,12 @@ place of ``C``. Vectors without such an axis (``[V, N, D]``) are one block.
 
 The sweep replaces the columns only where nothing else of the sweep is alive (no other
 vectors waiting, no parameter whose per-column products are summed over several uses),
-so every later step sees the new columns alone.
+so every later step sees the new columns alone. Per-column tensors that a quantity
+carries to a later layer (``carried``: a tied table's rows, :mod:`ggnchunk._rules.tied`)
+are mapped with the columns: the new columns are ``Q^T A`` for each block's reduced QR
+factor ``Q`` (``A = Q R``), and the carried ``B`` become ``Q^T B``. A sum over columns
+of products ``f(a_v) g(b_v)``, ``f`` linear, is then unchanged: ``sum_w (Q^T B)_w
+f((Q^T A)_w) = sum_v B_v f((Q Q^T A)_v)`` and ``Q Q^T A = A``.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from torch import Tensor
 WORTH = 0.25
 
 
-def compressed(vectors: Tensor) -> Tensor | None:
+def compressed(vectors: Tensor, carried: dict[int, Tensor] | None = None) -> Tensor | None:
     """Columns with the same per-sample Gram matrix as ``vectors``, where fewer.
 
     Args:
         vectors: ``[V, N, D]`` or ``[V, N, T, D]``: ``V`` columns for each of ``N``
             samples.
+        carried: Per-column tensors ``[V, N, ...]`` of the same columns, replaced in
+            place by their images ``[V', N, ...]`` where the columns are replaced.
 
     Returns:
         ``[V', N, *shape]`` with ``V' <= WORTH * V`` and, for every sample ``n``,
@@ -50,7 +57,7 @@ def compressed(vectors: Tensor) -> Tensor | None:
         if width > WORTH * v:
             return None
         whole = [torch.arange(v, device=vectors.device)]
-        return _blocks(vectors.unsqueeze(2), whole).squeeze(2)
+        return _blocks(vectors.unsqueeze(2), whole, carried).squeeze(2)
     positions, width = vectors.shape[2:]
     if width > WORTH * v:  # no position can hold enough more columns than its width
         return None
@@ -66,16 +73,22 @@ def compressed(vectors: Tensor) -> Tensor | None:
     if total > WORTH * v:
         return None
     if not total:  # every column zero (a loss linear in the output): one zero column
+        for key, value in (carried or {}).items():
+            carried[key] = value.new_zeros(1, *value.shape[1:])
         return vectors.new_zeros(1, *vectors.shape[1:])
-    return _blocks(vectors, groups)
+    return _blocks(vectors, groups, carried)
 
 
-def _blocks(flat: Tensor, groups: list[Tensor]) -> Tensor:
+def _blocks(
+    flat: Tensor, groups: list[Tensor], carried: dict[int, Tensor] | None = None
+) -> Tensor:
     """Per position ``p``, the R factor of its columns ``groups[p]`` on it, per sample.
 
     Args:
         flat: ``[V, N, P, D]``.
         groups: For each position, the columns non-zero on it (on no other).
+        carried: Per-column tensors ``[V, N, ...]``, replaced by ``Q^T`` of theirs
+            (``Q``: each block's reduced QR factor, per sample).
 
     Returns:
         ``[sum_p min(len(groups[p]), D), N, P, D]``, each column on one position.
@@ -83,13 +96,24 @@ def _blocks(flat: Tensor, groups: list[Tensor]) -> Tensor:
     n, positions, width = flat.shape[1:]
     sizes = [min(len(g), width) for g in groups]
     out = flat.new_zeros(sum(sizes), n, positions, width)
+    kept = {key: value.new_zeros(len(out), *value.shape[1:]) for key, value in
+            (carried or {}).items()}  # fmt: skip
     start = 0
     for p, (group, size) in enumerate(zip(groups, sizes, strict=True)):
         if not size:
             continue
         block = flat[group, :, p].transpose(0, 1)  # [N, C, D]
         # float64 for the factor (a float32 QR's rounding is the columns' own size)
-        r = torch.linalg.qr(block.double(), mode="r")[1]  # [N, min(C, D), D]
+        if kept:
+            q, r = torch.linalg.qr(block.double())  # [N, C, k], [N, k, D]
+            for key, value in carried.items():
+                mine = value[group].double()  # [C, N, ...]
+                mapped = torch.einsum("nck,cnx->knx", q, mine.flatten(2))
+                kept[key][start : start + size] = mapped.reshape(size, *value.shape[1:])
+        else:
+            r = torch.linalg.qr(block.double(), mode="r")[1]  # [N, min(C, D), D]
         out[start : start + size, :, p] = r.transpose(0, 1).to(flat.dtype)
         start += size
+    if carried is not None:
+        carried.update(kept)
     return out

@@ -29,6 +29,7 @@ from ggnchunk._autograd import (
     global_forward_hooks,
     grad_shape,
     output_count,
+    scaled_by_frequency,
 )
 from ggnchunk._checks import warn
 from ggnchunk._folding import from_batch, glue_workspace, layer_entered, layer_left
@@ -46,6 +47,7 @@ from ggnchunk._graph.readers import (
 )
 from ggnchunk._graph.sweep import Sweeps
 from ggnchunk._rules import LayerRule, RuleContext
+from ggnchunk._rules.tied import is_tied_pair
 from ggnchunk._windows import FieldCache
 
 
@@ -59,6 +61,9 @@ class Recording(Sweeps, MemoryBound, Checks):
         every_product: Every parameter takes the per-sample products' path (the
             quantity keeps them: each sample's diagonal, output variances), and the
             memory bound counts them.
+        pairs_tied: The quantity adds a table shared by an embedding and an output
+            head as the two layers' diagonals plus their cross term
+            (:mod:`ggnchunk._rules.tied`), not from products kept per column.
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class Recording(Sweeps, MemoryBound, Checks):
         params: list[nn.Parameter],
         batch: int,
         every_product: bool = False,
+        pairs_tied: bool = False,
     ):
         self.every_product = every_product
+        self.pairs_tied = pairs_tied and not every_product
         self._units = units
         # each layer's tensors as the rule was chosen for them (see _as_chosen)
         self._tensors = {
@@ -88,6 +95,9 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._out_keys: dict[EdgeKey, int] = {}
         self.shared: set[int] = set()
         self.reused: set[int] = set()  # parameters used in several places
+        # a table used by an output head and an embedding (parameter index -> the
+        # head's and the embedding's call index): their diagonals plus a cross term
+        self.tied: dict[int, tuple[int, int]] = {}
         self.output_key: EdgeKey | None = None
         self.fallbacks: dict[str, str] = {}  # operation vmap loops over -> where
         self._warned = False
@@ -307,11 +317,39 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._stop_without_parameters()
         self._warn_without_grad(uses)
         self.reused = {i for i, count in uses.items() if count > 1}  # several places
-        self.shared = {i for i, count in uses.items() if count > 1 or self.every_product}
+        self.tied = self._tied_pairs(uses) if self.pairs_tied else {}
+        self.shared = {
+            i for i, count in uses.items()
+            if (count > 1 or self.every_product) and i not in self.tied
+        }  # fmt: skip
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
         self._schedule_crossings()
+
+    def _tied_pairs(self, uses: dict[int, int]) -> dict[int, tuple[int, int]]:
+        """Tables used exactly twice: by an ``nn.Embedding``, then an ``nn.Linear`` head.
+
+        See :func:`~ggnchunk._rules.tied.is_tied_pair`.
+
+        Args:
+            uses: Places each parameter is used in (calls and glue regions).
+
+        Returns:
+            ``{parameter index: (head call index, embedding call index)}``.
+        """
+        found: dict[int, list[Call]] = {}
+        for call in self.calls:
+            for i, pname in call.params:
+                if uses.get(i) == 2 and pname == "weight":
+                    found.setdefault(i, []).append(call)
+        tied = {}
+        for i, pair in found.items():
+            if len(pair) == 2:
+                embedding, head = pair  # in the order of the forward pass
+                if is_tied_pair(head.rule, embedding.rule):
+                    tied[i] = (head.index, embedding.index)
+        return tied
 
     def _warn_without_grad(self, uses: dict[int, int]) -> None:
         """Warn about layers whose trainable parameters ran only with gradients off.
@@ -544,6 +582,17 @@ class Recording(Sweeps, MemoryBound, Checks):
             seen.add(id(current))
             if current.name() == _REENTRANT_CHECKPOINT:
                 _refuse_reentrant(f"in the operations before {self._consumer(source)}")
+            if scaled_by_frequency(current, self._batch):
+                raise ValueError(
+                    "an embedding lookup with scale_grad_by_freq=True of per-sample "
+                    f"indices in the operations before {self._consumer(source)} divides "
+                    "its gradient by each index's count over the whole batch: that is "
+                    "not the derivative of "
+                    "the forward pass, and the counts couple the samples, so the model "
+                    "has no exact GGN diagonal that is a sum over samples. Pass "
+                    "scale_grad_by_freq=False there while computing the curvature (the "
+                    "forward pass does not change)."
+                )
             source.workspace += glue_workspace(current)
             inner = max(inner, _gradients_numel(current))
             for position, (nxt, number) in enumerate(current.next_functions):

@@ -129,9 +129,11 @@ class Sweeps(Traversal):
 
         # columns spanning few directions (below a vocabulary's head) replaced by fewer
         # with the same Gram, where the quantity depends on nothing else and no
-        # parameter's per-column products are added over several uses
+        # parameter's per-column products are added over several uses (what the
+        # quantity carries to a later layer is mapped with them)
         fewer = (
-            compressed if COMPRESS and quantity.gram_only and not windows
+            (lambda vectors: compressed(vectors, quantity.carried))
+            if COMPRESS and quantity.gram_only and not windows
             and not self.shared and visit is None else None
         )  # fmt: skip
         unions = UNIONS.count

@@ -18,6 +18,8 @@ The package, one family a file:
 - :mod:`.linear`, :mod:`.conv`, :mod:`.norm`, :mod:`.embedding`: layers with parameters;
 - :mod:`.activation` (a table of derivatives), :mod:`.folded` (pooling, upsampling):
   layers without parameters, ruled to map the columns back faster than autograd;
+- :mod:`.tied`: a table tied between an embedding and an output head (the cross term
+  of the two rules' products);
 - here: the registry (:func:`register_rule`, :func:`rule_for`).
 """
 

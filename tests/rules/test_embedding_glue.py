@@ -122,3 +122,36 @@ def test_embedding_in_glue_per_sample(name):
         scaled = {k: v / 3 for k, v in expected.items()}
         got = {k: v[sample] for k, v in actual.items()}
         assert_diag_close(got, scaled, rtol=1e-10, label=f"{name} sample {sample}")
+
+
+class _ScaledTokens(nn.Module):
+    """Token ids looked up with ``scale_grad_by_freq=True`` (a module or a call)."""
+
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.functional = functional
+        self.tokens = nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        if self.functional:
+            h = F.embedding(ids, self.tokens.weight, scale_grad_by_freq=True)
+        else:
+            h = self.tokens(ids)
+        return self.head(torch.tanh(h)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_scale_grad_by_freq_of_tokens_is_refused(functional):
+    """Counts over the whole batch couple the samples: refused, with the fix.
+
+    Followed, sub-batches of one sample gave another diagonal than the whole batch
+    (the counts differ); the rule ignored the counts (0.99 off the brute force).
+    """
+    model, loss_func, ids, targets = _problem("positions", 3)
+    model = _ScaledTokens(functional).double()
+    with pytest.raises(ValueError, match="scale_grad_by_freq=False"):
+        ggnchunk.diag_ggn(model, loss_func, ids, targets)
+    model.tokens.weight.requires_grad_(False)  # frozen: nothing to scale
+    frozen = ggnchunk.diag_ggn(model, loss_func, ids, targets)
+    assert_diag_close(frozen, reference_diag_ggn(model, loss_func, ids, targets), 1e-10)
