@@ -43,7 +43,6 @@ __all__ = [
     "edge_of",
     "first_global_forward_hook",
     "gather_of",
-    "scaled_by_frequency",
     "global_forward_hooks",
     "grad_shape",
     "in_checkpoint",
@@ -287,31 +286,6 @@ def gather_of(node: Node) -> Gather | None:
     # torch saves "no padding row" (-1) as an unsigned 2**64 - 1
     row = padding if 0 <= padding < rows else None
     return Gather(GradientEdge(node, 0), indices, rows, row)
-
-
-def scaled_by_frequency(node: Node, batch: int) -> bool:
-    """Whether ``node`` is a lookup of per-sample indices with ``scale_grad_by_freq``.
-
-    Its backward divides each row's gradient by the index's count over the whole index
-    tensor: over the batch where the indices have its axis (``[N, ...]``: refused, the
-    counts couple the samples), a fixed factor where they do not (positions).
-
-    Args:
-        node: A node of the autograd graph.
-        batch: The batch size ``N``.
-
-    Returns:
-        ``True`` for such an ``EmbeddingBackward0`` node (indices of ``N`` rows).
-    """
-    if node.name() != "EmbeddingBackward0":
-        return False
-    try:
-        if not node._saved_scale_grad_by_freq:
-            return False
-        indices = node._saved_indices
-    except (AttributeError, RuntimeError):  # another torch's names
-        return False
-    return indices.dim() > 0 and indices.shape[0] == batch
 
 
 def scatter_rows(gather: Gather, grads: Tensor) -> Tensor:

@@ -125,6 +125,42 @@ def glue_workspace(node: Any) -> int:
     )  # fmt: skip
 
 
+_LOOKUP_ARGS = {
+    F.embedding: ("input", "weight", "padding_idx", "max_norm", "norm_type",
+                  "scale_grad_by_freq", "sparse"),
+    torch.embedding: ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse"),
+}  # fmt: skip
+
+
+def _refuse_counted_lookup(
+    store: WeakIdKeyDictionary, func: Any, args: tuple, kwargs: dict
+) -> None:
+    """Refuse a lookup of the batch's indices with ``scale_grad_by_freq=True``.
+
+    Its backward divides each row's gradient by the index's count over the whole index
+    tensor: over the batch where the indices are made from it (token ids, also
+    flattened or sequence-first), which couples the samples (a sub-batch gets other
+    counts); a fixed factor where they are not (positions ``arange(T)``), followed.
+    """
+    bound = dict(zip(_LOOKUP_ARGS[func], args, strict=False)) | kwargs
+    weight, indices = bound.get("weight"), bound.get("input")
+    if not (
+        bound.get("scale_grad_by_freq") and torch.is_grad_enabled()
+        and isinstance(weight, torch.Tensor) and weight.requires_grad
+        and isinstance(indices, torch.Tensor) and indices in store
+    ):  # fmt: skip
+        return
+    raise ValueError(
+        "an embedding lookup (nn.Embedding or F.embedding) with scale_grad_by_freq=True "
+        "reads indices made from the batch: its backward divides each row's gradient by "
+        "the index's count over the whole batch, which is not the derivative of the "
+        "forward pass and couples the samples, so the model has no exact GGN diagonal "
+        "that is a sum over samples. Pass scale_grad_by_freq=False there (for "
+        "nn.Embedding: set module.scale_grad_by_freq = False) while computing the "
+        "curvature; the forward pass does not change."
+    )
+
+
 class _Folding(TorchFunctionMode):
     def __init__(self, store: WeakIdKeyDictionary | None = None) -> None:
         super().__init__()
@@ -132,8 +168,10 @@ class _Folding(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        result = self._call(func, args, kwargs)
         store = self.store
+        if store is not None and (func is F.embedding or func is torch.embedding):
+            _refuse_counted_lookup(store, func, args, kwargs)
+        result = self._call(func, args, kwargs)
         if store is not None and (_tagged(store, args) or _tagged(store, kwargs.values())):
             _tag(store, result)
             if _in_place(func) and args:

@@ -29,7 +29,6 @@ from ggnchunk._autograd import (
     global_forward_hooks,
     grad_shape,
     output_count,
-    scaled_by_frequency,
 )
 from ggnchunk._checks import warn
 from ggnchunk._folding import from_batch, glue_workspace, layer_entered, layer_left
@@ -582,17 +581,6 @@ class Recording(Sweeps, MemoryBound, Checks):
             seen.add(id(current))
             if current.name() == _REENTRANT_CHECKPOINT:
                 _refuse_reentrant(f"in the operations before {self._consumer(source)}")
-            if scaled_by_frequency(current, self._batch):
-                raise ValueError(
-                    "an embedding lookup with scale_grad_by_freq=True of per-sample "
-                    f"indices in the operations before {self._consumer(source)} divides "
-                    "its gradient by each index's count over the whole batch: that is "
-                    "not the derivative of "
-                    "the forward pass, and the counts couple the samples, so the model "
-                    "has no exact GGN diagonal that is a sum over samples. Pass "
-                    "scale_grad_by_freq=False there while computing the curvature (the "
-                    "forward pass does not change)."
-                )
             source.workspace += glue_workspace(current)
             inner = max(inner, _gradients_numel(current))
             for position, (nxt, number) in enumerate(current.next_functions):

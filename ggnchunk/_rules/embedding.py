@@ -22,15 +22,16 @@ class EmbeddingRule(LayerRule):
     description = (
         "any index shape; `padding_idx` row is 0 (BackPACK's fails in float64); a table "
         "tied to an `nn.Linear` head: both rules plus a cross term; "
-        "`scale_grad_by_freq=True` refused for per-sample indices"
+        "`scale_grad_by_freq=True` refused on indices made from the batch"
     )
 
     def accepts(self, module: nn.Module) -> bool:
         """Not with ``scale_grad_by_freq=True``: left to the recorded graph.
 
         Its gradient is divided by each index's count over the whole index tensor; the
-        glue refuses it where the indices are per sample (the counts couple the
-        samples), and follows torch's backward where they are not (positions).
+        engine's forward refuses it where the indices are made from the batch (the
+        counts couple the samples: :mod:`ggnchunk._folding`), and the glue follows
+        torch's backward where they are not (positions).
         """
         return not module.scale_grad_by_freq
 

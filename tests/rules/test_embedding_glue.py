@@ -125,33 +125,76 @@ def test_embedding_in_glue_per_sample(name):
 
 
 class _ScaledTokens(nn.Module):
-    """Token ids looked up with ``scale_grad_by_freq=True`` (a module or a call)."""
+    """Token ids looked up with ``scale_grad_by_freq=True``, in four layouts."""
 
-    def __init__(self, functional: bool):
+    def __init__(self, layout: str):
         super().__init__()
-        self.functional = functional
+        self.layout = layout
         self.tokens = nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True)
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids):
-        if self.functional:
+        n, t = ids.shape
+        if self.layout == "functional":
             h = F.embedding(ids, self.tokens.weight, scale_grad_by_freq=True)
+        elif self.layout == "flat":  # [N * T] ids
+            h = self.tokens(ids.reshape(-1)).reshape(n, t, DIM)
+        elif self.layout == "sequence-first":  # [T, N] ids
+            h = self.tokens(ids.t()).transpose(0, 1)
         else:
             h = self.tokens(ids)
         return self.head(torch.tanh(h)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
-def test_scale_grad_by_freq_of_tokens_is_refused(functional):
+@pytest.mark.parametrize("layout", ["module", "functional", "flat", "sequence-first"])
+def test_scale_grad_by_freq_of_tokens_is_refused(layout):
     """Counts over the whole batch couple the samples: refused, with the fix.
 
     Followed, sub-batches of one sample gave another diagonal than the whole batch
-    (the counts differ); the rule ignored the counts (0.99 off the brute force).
+    (the counts differ); the rule ignored the counts (0.99 off the brute force);
+    flattened ids were 0.75 off. Refused wherever the indices are made from the batch,
+    whatever their shape.
     """
     model, loss_func, ids, targets = _problem("positions", 3)
-    model = _ScaledTokens(functional).double()
+    model = _ScaledTokens(layout).double()
     with pytest.raises(ValueError, match="scale_grad_by_freq=False"):
         ggnchunk.diag_ggn(model, loss_func, ids, targets)
+    assert not model.tokens._forward_hooks and not model.tokens._forward_pre_hooks
     model.tokens.weight.requires_grad_(False)  # frozen: nothing to scale
     frozen = ggnchunk.diag_ggn(model, loss_func, ids, targets)
     assert_diag_close(frozen, reference_diag_ggn(model, loss_func, ids, targets), 1e-10)
+
+
+class _ScaledPositions(nn.Module):
+    """Positions ``[1, T]`` (GPT-2's ``position_ids``) looked up with the counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, DIM)
+        self.positions = nn.Embedding(LENGTH, DIM, scale_grad_by_freq=True)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        where = torch.tensor([[0, 1, 1, 2]], device=ids.device)[:, : ids.shape[1]]
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(where))).transpose(
+            1, 2
+        )
+
+
+@pytest.mark.parametrize("n", [1, LENGTH])
+@pytest.mark.parametrize("kwargs", [{}, {"batch_chunk_size": 1}], ids=["whole", "ones"])
+def test_scale_grad_by_freq_of_positions_is_followed(n, kwargs):
+    """Indices not made from the batch: a fixed count per row, exact, at any ``N``.
+
+    Also where their axis 0 has the batch's size (``[1, T]`` with ``N = 1``,
+    ``arange(T)`` with ``N = T``), which a test of shapes refused.
+    """
+    torch.manual_seed(0)
+    model = _ScaledPositions().double()
+    ids = torch.randint(0, VOCAB, (n, LENGTH))
+    targets = torch.randint(0, VOCAB, (n, LENGTH))
+    loss_func = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, loss_func, ids, targets, **kwargs)
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, ids, targets), 1e-10)
