@@ -180,12 +180,18 @@ def _run(model, loss_func, x, y, **options):
     return ggnchunk.diag_ggn(model, loss_func, args if len(args) > 1 else x, y, **options)
 
 
+# every chunking with the compression, and the passes that compress without it
+MODES = [(True, c) for c in CHUNKINGS] + [(False, "onepass"), (False, "batch-chunks")]
+
+
 @pytest.mark.filterwarnings("ignore::ggnchunk.MemoryBudgetWarning")
-@pytest.mark.parametrize("squeeze", [True, False], ids=["compressed", "every-column"])
-@pytest.mark.parametrize("chunking", CHUNKINGS)
+@pytest.mark.parametrize(
+    ("squeeze", "chunking"), MODES,
+    ids=[f"{c}-{'compressed' if s else 'every-column'}" for s, c in MODES],
+)  # fmt: skip
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("name", CASES)
-def test_tied_table_matches_the_brute_force(name, n, chunking, squeeze, crossed,
+def test_tied_table_matches_the_brute_force(name, n, squeeze, chunking, crossed,
                                             monkeypatch):  # fmt: skip
     model, loss_func, x, y, paired = CASES[name](n)
     monkeypatch.setattr(sweep, "COMPRESS", squeeze)
