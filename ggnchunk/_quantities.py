@@ -45,8 +45,14 @@ from ggnchunk._autograd import (
     scatter_rows,
 )
 from ggnchunk._distributed import all_reduce_sum
+from ggnchunk._graph.readers import (
+    lookup_squares,
+    reader_groups,
+    reader_room,
+    release,
+    shared_edges,
+)
 from ggnchunk._graph.readers import per_sample as read_per_sample
-from ggnchunk._graph.readers import reader_groups, reader_room, release, shared_edges
 from ggnchunk._rules.tied import embedding_cross as tied_cross
 from ggnchunk._rules.tied import head_rows as tied_rows
 from ggnchunk._sqrt_hessians import SqrtHessianFactor, identity_factor, sampled_factor
@@ -535,8 +541,9 @@ class _Products(Quantity):
 
     @staticmethod
     def _glue_products(
-        recording: Recording, source: _Source, grads: Tensor, buffers: dict[int, Tensor]
-    ) -> None:
+        recording: Recording, source: _Source, grads: Tensor, buffers: dict[int, Tensor],
+        squares: Callable[[int, Tensor], None] | None = None,
+    ) -> None:  # fmt: skip
         """Per-(column, sample) products ``[V, N, *param]`` of a glue's parameters.
 
         Args:
@@ -544,6 +551,9 @@ class _Products(Quantity):
             source: The glue region.
             grads: ``[V, N, ...]`` vectors at its start.
             buffers: Where they are added, by parameter index.
+            squares: Takes ``sum_{v, n}`` of a parameter's squared products instead,
+                where they can be made without the products: a table used once, by
+                one lookup read per sample (``None``: always the products).
         """
         v, n = grads.shape[:2]
 
@@ -563,6 +573,8 @@ class _Products(Quantity):
         # N times the region)
         fast = recording.per_sample_readers(source, grads)
         found = [(i, pair) for i, pairs in fast.items() for pair in pairs]
+        # tables used once, by one lookup: squared from the lookup's vectors
+        lone = recording.lone_lookups(source) if squares is not None else set()
         edges = shared_edges([reader for _, (reader, _) in found])
         sizes = [edge_numel(edge) // n for edge, _ in edges]
         for group in reader_groups(sizes, reader_room(source, grads)):
@@ -574,7 +586,11 @@ class _Products(Quantity):
                 value, results[j] = results[j], None
                 for k in edges[g][1]:
                     i, (reader, stride) = found[k]
-                    if value is not None:
+                    if value is None:
+                        continue
+                    if squares is not None and i in lone:
+                        squares(i, lookup_squares(reader, value, n, stride))
+                    else:
                         add(i, None, read_per_sample(reader, value, n, stride))
                 release([found[k][1][0] for k in edges[g][1]])
                 del value
@@ -585,7 +601,14 @@ class _Products(Quantity):
             if i not in fast:
                 wanted += [(i, g) for g in source.gathers.get(i, [None])]
         if wanted:
-            _Products._one_sample_at_a_time(recording, source, grads, wanted, add)
+
+            def each(i: int, sample: int, value: Tensor, gather: Gather | None) -> None:
+                if gather is not None and i in lone:  # the sample's squares
+                    squares(i, lookup_squares(gather, value, 1, value[0].numel()))
+                else:
+                    add(i, sample, value if gather is None else scatter_rows(gather, value))
+
+            _Products._one_sample_at_a_time(recording, source, grads, wanted, each)
 
     @staticmethod
     def _one_sample_at_a_time(
@@ -593,7 +616,7 @@ class _Products(Quantity):
         source: _Source,
         grads: Tensor,
         wanted: list[tuple[int, Gather | None]],
-        add: Callable[[int, int | None, Tensor], None],
+        each: Callable[[int, int, Tensor, Gather | None], None],
     ) -> None:
         """The products of ``wanted`` parameters, one backward pass per sample.
 
@@ -602,7 +625,9 @@ class _Products(Quantity):
             source: The glue region.
             grads: ``[V, N, ...]`` vectors at its start.
             wanted: ``(parameter index, its lookup or None)`` pairs.
-            add: Adds ``[V, *param]`` products of one sample to the buffers.
+            each: Takes ``(index, sample, gradient, lookup)``: the gradient of the
+                parameter (``[V, *param]``), or at the lookup's output, with the other
+                samples' vectors zero.
         """
         n = grads.shape[1]
         inputs = [recording.params[i] if g is None else g.edge for i, g in wanted]
@@ -613,7 +638,7 @@ class _Products(Quantity):
                 results = batched_grad([source.target], inputs, [masked])
             for (i, gather), value in zip(wanted, results, strict=True):
                 if value is not None:
-                    add(i, sample, value if gather is None else scatter_rows(gather, value))
+                    each(i, sample, value, gather)
             # only now: with one sample, autograd may return ``masked`` itself (or a
             # view of it) as a parameter's gradient
             masked[:, sample] = 0
@@ -673,6 +698,10 @@ class DiagonalGGN(_Products):
             elif i in self.carried:  # the embedding: the cross term
                 rows = self.carried.pop(i)
                 self._add(i, tied_cross(call.ctx, dense(grads), rows))
+
+    def glue(self, recording: Recording, source: _Source, grads: Tensor) -> None:
+        # a table used once, by one lookup: its squares without [V, N, rows, D]
+        self._glue_products(recording, source, grads, self._buffers, squares=self._add)
 
     def _unshared(self, call: Call, grads: Tensor) -> None:
         # one-hot columns at the model output: the diagonal from the mask alone

@@ -124,7 +124,12 @@ class MemoryBound(Traversal):
                 # the samples' vectors one at a time, or the readers' gradients (a
                 # group at most the region's size, and one scaled copy of a reader's)
                 buffers += size + 2 * source.reader_numel
-                buffers += sum(self._params[i].numel() for i in source.params)
+                # (a table used once by one lookup: its grouped sums, no bigger than
+                # the lookup's vectors, counted with the readers')
+                lone = self.lone_lookups(source)
+                buffers += sum(
+                    self._params[i].numel() for i in source.params if i not in lone
+                )
             settle(size + added + buffers)
             return full
 

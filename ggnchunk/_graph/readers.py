@@ -455,6 +455,38 @@ def lookup_per_sample(gather: Gather, grads: Tensor, samples: int, stride: int) 
     return result
 
 
+@torch.no_grad()
+def lookup_squares(gather: Gather, grads: Tensor, samples: int, stride: int) -> Tensor:
+    """``sum_{v, n}`` of the squares of :func:`lookup_per_sample`, without forming it.
+
+    Each sample's rows are the sums of the vectors at the positions that look them up:
+    those sums are made per distinct (sample, row) pair, squared and added into the
+    rows (``[V, pairs, D]``, not ``[V, N, rows, D]``).
+
+    Args:
+        gather: The lookup.
+        grads: ``[V, *indices.shape, D]``, the gradients at its output.
+        samples: ``N``.
+        stride: The samples' stride in the flattened output (whole rows of ``D``).
+
+    Returns:
+        ``[rows, D]``.
+    """
+    v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
+    per = stride // dim
+    index = gather.indices.reshape(-1, samples, per).transpose(0, 1).reshape(samples, -1)
+    offsets = torch.arange(samples, device=index.device).mul_(rows)
+    keys, inverse = torch.unique(index + offsets[:, None], return_inverse=True)
+    source = grads.reshape(v, -1, samples, per, dim).transpose(1, 2).reshape(v, -1, dim)
+    summed = grads.new_zeros(v, keys.numel(), dim)
+    summed.index_add_(1, inverse.reshape(-1), source)
+    result = grads.new_zeros(rows, dim)
+    result.index_add_(0, keys % rows, summed.square().sum(0))
+    if gather.padding_idx is not None:
+        result[gather.padding_idx] = 0.0
+    return result
+
+
 def fits(reader: Reader, out: torch.Size, stride: int, samples: int) -> bool:
     """Whether ``reader`` can read per sample with this stride of its output."""
     if isinstance(reader, Gather):

@@ -326,6 +326,28 @@ class Recording(Sweeps, MemoryBound, Checks):
             call.ctx.output = edge_key(call.out_edge) == self.output_key
         self._schedule_crossings()
 
+    def lone_lookups(self, source: _Source) -> set[int]:
+        """The glue region's tables used once, by one lookup, squared there.
+
+        Where the quantity adds the squares summed over samples (:attr:`pairs_tied`),
+        their diagonal is made from the lookup's vectors grouped by (sample, row),
+        without per-sample products of the whole table
+        (:func:`~ggnchunk._graph.readers.lookup_squares`).
+
+        Args:
+            source: The glue region.
+
+        Returns:
+            Parameter indices.
+        """
+        if not self.pairs_tied:
+            return set()
+        return {
+            i for i, found in source.gathers.items()
+            if len(found) == 1 and len(source.readers.get(i, ())) == 1
+            and i not in self.shared
+        }  # fmt: skip
+
     def _tied_pairs(self, uses: dict[int, int]) -> dict[int, tuple[int, int]]:
         """Tables used exactly twice: by an ``nn.Embedding``, then an ``nn.Linear`` head.
 

@@ -62,6 +62,26 @@ class Functional(nn.Module):
         return h.transpose(1, 2)
 
 
+class _ScaledLookup(nn.Embedding):
+    """Gemma's token table: an ``nn.Embedding`` whose ``forward`` scales (glue)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * DIM**0.5
+
+
+class Scaled(nn.Module):
+    """The scaled lookup of tokens with a padding row, a per-token head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = _ScaledLookup(VOCAB, DIM, padding_idx=0)
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.ln(self.tokens(ids))).transpose(1, 2)
+
+
 CASES = {
     "positions": lambda: Positions(),
     "positions_padding_idx": lambda: Positions(padding_idx=1),
@@ -69,9 +89,16 @@ CASES = {
     "positions_scale_grad_by_freq": lambda: Positions(scale_grad_by_freq=True),
     "functional": lambda: Functional(),
     "functional_tied": lambda: Functional(tied=True),
+    "scaled": lambda: Scaled(),
 }
 # lookups whose weight is read only by embedding nodes take the batched path
-FAST = {"positions", "positions_padding_idx", "positions_read_twice", "functional"}
+FAST = {
+    "positions",
+    "positions_padding_idx",
+    "positions_read_twice",
+    "functional",
+    "scaled",
+}
 
 
 def _problem(name: str, n: int):
@@ -98,6 +125,39 @@ def test_embedding_in_glue_exact(name, n, kwargs):
     expected = reference_diag_ggn(model, loss_func, ids, targets)
     actual = ggnchunk.diag_ggn(model, loss_func, ids, targets, **kwargs)
     assert_diag_close(actual, expected, rtol=1e-10, label=f"{name} N={n} {kwargs}")
+
+
+# tables used once, by one lookup: squared from the lookup's vectors, no
+# [V, N, rows, D] (a table read twice keeps its products; a lookup with
+# scale_grad_by_freq is no plain gather)
+SQUARED = {"positions": 1, "positions_padding_idx": 1, "positions_read_twice": 0,
+           "positions_scale_grad_by_freq": 0, "functional": 1, "functional_tied": 0,
+           "scaled": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"batch_chunk_size": 1}], ids=["whole", "ones"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_tables_read_by_one_lookup_are_squared_there(name, kwargs, monkeypatch):
+    """Which tables take the lookup's squares, and the diagonal against the brute force.
+
+    Per pass, and per sample where the lookup is crossed one sample at a time.
+    """
+    from ggnchunk import _quantities
+
+    seen = []
+    real = _quantities.lookup_squares
+
+    def spy(gather, grads, samples, stride):
+        seen.append(gather.rows)
+        return real(gather, grads, samples, stride)
+
+    monkeypatch.setattr(_quantities, "lookup_squares", spy)
+    model, loss_func, ids, targets = _problem(name, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
+        got = ggnchunk.diag_ggn(model, loss_func, ids, targets, **kwargs)
+    assert len(set(seen)) == SQUARED[name], seen
+    assert_diag_close(got, reference_diag_ggn(model, loss_func, ids, targets), 1e-10)
 
 
 @pytest.mark.parametrize("name", sorted(FAST))
