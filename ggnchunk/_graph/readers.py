@@ -429,6 +429,29 @@ def _lookup_fits(gather: Gather, out: torch.Size, stride: int, samples: int) -> 
     return stride % out[-1] == 0
 
 
+def _sample_rows(
+    gather: Gather, grads: Tensor, samples: int, stride: int
+) -> tuple[Tensor, Tensor]:
+    """A lookup's positions as (sample, row) keys beside their vectors, sample-major.
+
+    Args:
+        gather: The lookup.
+        grads: ``[V, *indices.shape, D]``, the gradients at its output.
+        samples: ``N``.
+        stride: The samples' stride in the flattened output (whole rows of ``D``).
+
+    Returns:
+        ``sample * rows + row`` per position (``[P]``) and the vectors ``[V, P, D]``.
+    """
+    v, dim = grads.shape[0], grads.shape[-1]
+    per = stride // dim
+    index = gather.indices.reshape(-1, samples, per).transpose(0, 1).reshape(samples, -1)
+    offsets = torch.arange(samples, device=index.device).mul_(gather.rows)
+    index = (index + offsets[:, None]).reshape(-1)
+    source = grads.reshape(v, -1, samples, per, dim).transpose(1, 2).reshape(v, -1, dim)
+    return index, source
+
+
 def lookup_per_sample(gather: Gather, grads: Tensor, samples: int, stride: int) -> Tensor:
     """Each sample's table gradient of an embedding lookup.
 
@@ -442,11 +465,7 @@ def lookup_per_sample(gather: Gather, grads: Tensor, samples: int, stride: int) 
         ``[V, N, rows, D]``.
     """
     v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
-    per = stride // dim
-    index = gather.indices.reshape(-1, samples, per).transpose(0, 1).reshape(samples, -1)
-    offsets = torch.arange(samples, device=index.device).mul_(rows)
-    index = (index + offsets[:, None]).reshape(-1)
-    source = grads.reshape(v, -1, samples, per, dim).transpose(1, 2).reshape(v, -1, dim)
+    index, source = _sample_rows(gather, grads, samples, stride)
     result = grads.new_zeros(v, samples * rows, dim)
     result.index_add_(1, index, source)
     result = result.view(v, samples, rows, dim)
@@ -473,13 +492,10 @@ def lookup_squares(gather: Gather, grads: Tensor, samples: int, stride: int) -> 
         ``[rows, D]``.
     """
     v, dim, rows = grads.shape[0], grads.shape[-1], gather.rows
-    per = stride // dim
-    index = gather.indices.reshape(-1, samples, per).transpose(0, 1).reshape(samples, -1)
-    offsets = torch.arange(samples, device=index.device).mul_(rows)
-    keys, inverse = torch.unique(index + offsets[:, None], return_inverse=True)
-    source = grads.reshape(v, -1, samples, per, dim).transpose(1, 2).reshape(v, -1, dim)
+    index, source = _sample_rows(gather, grads, samples, stride)
+    keys, inverse = torch.unique(index, return_inverse=True)
     summed = grads.new_zeros(v, keys.numel(), dim)
-    summed.index_add_(1, inverse.reshape(-1), source)
+    summed.index_add_(1, inverse, source)
     result = grads.new_zeros(rows, dim)
     result.index_add_(0, keys % rows, summed.square().sum(0))
     if gather.padding_idx is not None:
