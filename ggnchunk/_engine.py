@@ -374,7 +374,7 @@ class GGNComputation:
             problem.params,
             batch.size,
             quantity.every_product,
-            quantity.pairs_tied,
+            quantity.sums_squares,
         )
         self._windows = windows.Choice(key)
         self._inplace: list[nn.Module] = []

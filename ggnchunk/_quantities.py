@@ -166,10 +166,12 @@ class Quantity:
     """What it adds up depends on the columns only through each sample's Gram matrix
     ``sum_v g_v g_v^T`` (the diagonal, Kronecker factors): the sweep may then replace the
     columns by fewer with the same Gram (:mod:`ggnchunk._graph.compress`)."""
-    pairs_tied = False
-    """A table shared by an embedding and an output head is added as the two layers'
-    diagonals plus their cross term (:mod:`ggnchunk._rules.tied`); the quantity then
-    keeps per-column rows between the two (:attr:`carried`)."""
+    sums_squares = False
+    """It adds each parameter's squared products summed over columns and samples (the
+    diagonal), so a table may be squared where its products are made: a table shared
+    by an embedding and an output head as the two layers' diagonals plus their cross
+    term (:mod:`ggnchunk._rules.tied`, with per-column rows kept between the two in
+    :attr:`carried`), a table used once by one glue lookup from the lookup's vectors."""
 
     def __init__(self, problem: Problem | None = None, samples: int = 0):
         self.problem = problem
@@ -588,7 +590,7 @@ class _Products(Quantity):
                     i, (reader, stride) = found[k]
                     if value is None:
                         continue
-                    if squares is not None and i in lone:
+                    if i in lone:  # empty without ``squares``
                         squares(i, lookup_squares(reader, value, n, stride))
                     else:
                         add(i, None, read_per_sample(reader, value, n, stride))
@@ -661,7 +663,7 @@ class DiagonalGGN(_Products):
 
     windowed = True
     gram_only = True
-    pairs_tied = True
+    sums_squares = True
 
     def __init__(self, problem: Problem, samples: int):
         super().__init__(problem, samples)

@@ -60,9 +60,11 @@ class Recording(Sweeps, MemoryBound, Checks):
         every_product: Every parameter takes the per-sample products' path (the
             quantity keeps them: each sample's diagonal, output variances), and the
             memory bound counts them.
-        pairs_tied: The quantity adds a table shared by an embedding and an output
-            head as the two layers' diagonals plus their cross term
-            (:mod:`ggnchunk._rules.tied`), not from products kept per column.
+        sums_squares: The quantity adds squares summed over columns and samples: a
+            table shared by an embedding and an output head is added as the two
+            layers' diagonals plus their cross term (:mod:`ggnchunk._rules.tied`), a
+            table used once by one glue lookup from the lookup's vectors, neither from
+            products kept per column.
     """
 
     def __init__(
@@ -71,10 +73,10 @@ class Recording(Sweeps, MemoryBound, Checks):
         params: list[nn.Parameter],
         batch: int,
         every_product: bool = False,
-        pairs_tied: bool = False,
+        sums_squares: bool = False,
     ):
         self.every_product = every_product
-        self.pairs_tied = pairs_tied and not every_product
+        self.sums_squares = sums_squares and not every_product
         self._units = units
         # each layer's tensors as the rule was chosen for them (see _as_chosen)
         self._tensors = {
@@ -316,7 +318,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         self._stop_without_parameters()
         self._warn_without_grad(uses)
         self.reused = {i for i, count in uses.items() if count > 1}  # several places
-        self.tied = self._tied_pairs(uses) if self.pairs_tied else {}
+        self.tied = self._tied_pairs(uses) if self.sums_squares else {}
         self.shared = {
             i for i, count in uses.items()
             if (count > 1 or self.every_product) and i not in self.tied
@@ -329,7 +331,7 @@ class Recording(Sweeps, MemoryBound, Checks):
     def lone_lookups(self, source: _Source) -> set[int]:
         """The glue region's tables used once, by one lookup, squared there.
 
-        Where the quantity adds the squares summed over samples (:attr:`pairs_tied`),
+        Where the quantity adds the squares summed over samples (:attr:`sums_squares`),
         their diagonal is made from the lookup's vectors grouped by (sample, row),
         without per-sample products of the whole table
         (:func:`~ggnchunk._graph.readers.lookup_squares`).
@@ -340,7 +342,7 @@ class Recording(Sweeps, MemoryBound, Checks):
         Returns:
             Parameter indices.
         """
-        if not self.pairs_tied:
+        if not self.sums_squares:
             return set()
         return {
             i for i, found in source.gathers.items()
