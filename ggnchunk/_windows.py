@@ -270,9 +270,13 @@ class Windowed:
         Returns:
             ``out``.
         """
-        if self.has_fields:
-            mix(self.coeffs, self.fields, into=out)
-        self._scatter_data(out.view(*out.shape[:3], -1))
+        # the sweep's vectors carry no graph; ``out`` may be a view autograd made in its
+        # backward (F.pad's gradient is a slice), which torch forbids writing into in
+        # place under grad mode
+        with torch.no_grad():
+            if self.has_fields:
+                mix(self.coeffs, self.fields, into=out)
+            self._scatter_data(out.view(*out.shape[:3], -1))
         return out
 
     def _dense_data(self) -> Tensor:

@@ -1042,8 +1042,9 @@ class ConvTransposeRule(LayerRule):
         v, n, c = grads.shape[:3]
         g = module.groups
         patches = unfold(
-            grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, x.dim() - 2)
-        )
+            grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, x.dim() - 2),
+            positions=tuple(x.shape[2:]),
+        )  # fmt: skip
         a = patches.reshape(v, n, g, -1, patches.shape[-1])  # [V, N, G, Cout/G*K, P]
         return a, self._b(ctx)
 
@@ -1063,7 +1064,9 @@ class ConvTransposeRule(LayerRule):
             kernel = as_tuple(module.kernel_size, dims)
             g = module.groups
             view = window_view(
-                grads.reshape(v * n, c, *grads.shape[3:]), *self._geometry(module, dims)
+                grads.reshape(v * n, c, *grads.shape[3:]),
+                *self._geometry(module, dims),
+                positions=tuple(ctx.x.shape[2:]),
             )  # [V*N, Cout, *kernel, *positions], no copy
             b = self._b(ctx)
             offsets = [()]
@@ -1095,6 +1098,10 @@ class ConvTransposeRule(LayerRule):
             grads.reshape(v * n, c, *grads.shape[3:]), module.weight.detach(), None,
             stride, padding, dilation, module.groups,
         )  # fmt: skip
+        if tuple(result.shape[2:]) != tuple(x.shape[2:]):
+            # ``output_padding`` at or past the stride: the grid's last patches are no
+            # input's (window_view)
+            result = result[(..., *(slice(0, size) for size in x.shape[2:]))]
         return result.reshape(v, n, *x.shape[1:])
 
     windowed = True

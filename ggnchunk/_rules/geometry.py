@@ -30,8 +30,16 @@ def explicit_padding(module: nn.Module, dims: int) -> list[tuple[int, int]]:
     return [(p, p) for p in as_tuple(module.padding, dims)]
 
 
-def window_view(x: Tensor, kernel, stride, padding, dilation) -> Tensor:
-    """``[B, C, *kernel, *positions]`` strided view of the (zero-padded) input's patches."""
+def window_view(
+    x: Tensor, kernel, stride, padding, dilation, positions: tuple[int, ...] | None = None
+) -> Tensor:
+    """``[B, C, *kernel, *positions]`` strided view of the (zero-padded) input's patches.
+
+    ``positions`` keeps the first positions along each axis: a transposed convolution
+    whose ``output_padding`` reaches its stride (allowed below the dilation) has an
+    output grid with more patches than input positions, and the extra ones are no
+    input's.
+    """
     dims = len(kernel)
     stride, padding, dilation = (as_tuple(t, dims) for t in (stride, padding, dilation))
     pads = [p for pad in reversed(padding) for p in (pad, pad)]
@@ -42,10 +50,16 @@ def window_view(x: Tensor, kernel, stride, padding, dilation) -> Tensor:
         if dilation[d] > 1:
             x = x[..., :: dilation[d]]
     order = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
-    return x.permute(order)
+    x = x.permute(order)
+    if positions is not None and tuple(x.shape[2 + dims :]) != tuple(positions):
+        x = x[(..., *(slice(0, p) for p in positions))]
+    return x
 
 
-def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Tensor:
+def unfold(
+    x: Tensor, kernel: tuple[int, ...], stride, padding, dilation,
+    positions: tuple[int, ...] | None = None,
+) -> Tensor:  # fmt: skip
     """Patches of ``x`` as a convolution sees them, for 1, 2 or 3 spatial dimensions.
 
     Args:
@@ -54,12 +68,13 @@ def unfold(x: Tensor, kernel: tuple[int, ...], stride, padding, dilation) -> Ten
         stride: Stride per spatial dimension.
         padding: Zero padding per spatial dimension.
         dilation: Dilation per spatial dimension.
+        positions: Positions kept per spatial dimension (:func:`window_view`).
 
     Returns:
         ``[B, C * prod(kernel), P]``: row ``c * K + j`` is channel ``c`` at kernel offset
         ``j``, for each of the ``P`` output positions.
     """
-    view = window_view(x, kernel, stride, padding, dilation)
+    view = window_view(x, kernel, stride, padding, dilation, positions)
     return view.reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)
 
 

@@ -65,6 +65,16 @@ LAYERS = {
     ),
     "convT3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, output_padding=(1, 0, 1)),
                 (2, 2, 2, 2)),
+    # output padding at or past the stride (allowed below the dilation): the output grid
+    # has more patches than the input has positions
+    "convT2d-output-padding-past-the-stride": (
+        lambda: nn.ConvTranspose2d(3, 2, 2, stride=(1, 2), padding=1, dilation=3,
+                                   output_padding=(1, 2)),
+        (3, 4, 5),
+    ),
+    "convT1d-output-padding-past-the-stride": (
+        lambda: nn.ConvTranspose1d(2, 3, 3, dilation=2, output_padding=1), (2, 5)
+    ),
     "batchnorm2d-eval": (lambda: nn.BatchNorm2d(3), (3, 4, 4)),
     "batchnorm1d-tokens-eval": (lambda: nn.BatchNorm1d(3), (3, 5)),
     "layernorm-2d-shape": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4)),

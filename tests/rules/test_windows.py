@@ -392,6 +392,25 @@ class Mirrored(nn.Module):
         return self.head(torch.flip(h, [2]))
 
 
+class GatedPad(nn.Module):
+    """A squeeze-excitation gate (a Linear on the map's mean), then ``F.pad``.
+
+    The pad's gradient is a slice autograd makes in its backward; the gate's path adds
+    into it in place (the sweep once refused that under grad mode with a raw error).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = F.interpolate(self.conv(x), scale_factor=2.0, mode="nearest")
+        h = h * torch.sigmoid(self.fc(h.mean((2, 3))))[:, :, None, None]
+        return self.head(F.pad(h, [0, 2, 0, 2]))
+
+
 MODELS = {
     # BackPACK's retain_graph tutorial autoencoder, smaller
     "tutorial-ae": lambda: nn.Sequential(
@@ -540,6 +559,7 @@ MODELS = {
     # the same with nn.MultiheadAttention's default need_weights=True (the eager tail)
     "weighted-attention-unet": lambda: NormedAttentionUNet(need_weights=True),
     "shared-glue": lambda: SharedGlue(),
+    "gated-pad": lambda: GatedPad(),
     "conv-vae-linear-bottleneck": lambda: ConvVAE(),
     # a norm over positions after grouped, dilated transposed convolutions: the blocks
     # reach them with fields (the windowed weight products add the fields' products)
