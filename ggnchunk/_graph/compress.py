@@ -24,8 +24,13 @@ f((Q^T A)_w) = sum_v B_v f((Q Q^T A)_v)`` and ``Q Q^T A = A``.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from ggnchunk._windows import Windowed, dense
 
 # the columns are replaced only where they become at most this share of the old count:
 # the QR factors cost about what the columns save at a ratio of 1/3 (measured: an MLP
@@ -77,6 +82,57 @@ def compressed(vectors: Tensor, carried: dict[int, Tensor] | None = None) -> Ten
             carried[key] = value.new_zeros(1, *value.shape[1:])
         return vectors.new_zeros(1, *vectors.shape[1:])
     return _blocks(vectors, groups, carried)
+
+
+def compressed_jointly(
+    values: list[Any], carried: dict[int, Tensor] | None = None
+) -> list[Tensor] | None:
+    """Columns with the same per-sample Gram over every place the sweep holds, together.
+
+    Where the sweep holds vectors at several places (a segmenter's two classifiers
+    below the final resize, say), what it adds up later is a sum over columns of
+    products of linear images of all of them at once: the Gram matrix of the
+    concatenated vectors, per sample, is all that matters. Maps count here too: below
+    a resize to the full image the columns (one per output pixel and class) span only
+    the small map's directions, ``C·H·W`` of them per sample.
+
+    Args:
+        values: The vectors at each place, ``[V, N, ...]`` tensors or windowed blocks
+            of the same columns and samples.
+        carried: As for :func:`compressed`.
+
+    Returns:
+        The new vectors per place (``[V', N, ...]`` each, ``V' <= WORTH * V``, dense),
+        or ``None`` where they are not enough fewer.
+    """
+    shapes = [_shape(value) for value in values]
+    if not shapes or any(shape is None for shape in shapes):
+        return None
+    v, n = shapes[0][:2]
+    if any(shape[:2] != (v, n) for shape in shapes):
+        return None
+    widths = [math.prod(shape[2:]) for shape in shapes]
+    if sum(widths) > WORTH * v:
+        return None
+    flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
+    if not flat.is_floating_point():
+        return None
+    whole = [torch.arange(v, device=flat.device)]
+    out = _blocks(flat.unsqueeze(2), whole, carried).squeeze(2)  # [V', N, D]
+    parts = out.split(widths, dim=2)
+    return [
+        part.reshape(part.shape[0], n, *shape[2:])
+        for part, shape in zip(parts, shapes, strict=True)
+    ]
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A place's vectors' dense shape ``[V, N, ...]``, or ``None`` (not vectors)."""
+    if isinstance(value, Windowed):
+        return (*value.data.shape[:3], *value.size)
+    if isinstance(value, Tensor) and value.dim() >= 3:
+        return tuple(value.shape)
+    return None
 
 
 def _blocks(

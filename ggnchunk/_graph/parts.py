@@ -126,6 +126,22 @@ class _Waiting:
             store[key] = add_vectors(old, value, self.images, owned)
             self._note(store[key], True)  # a new tensor, or one of the two owned
 
+    def replace(self, values: list[Any]) -> None:
+        """Put new vectors in place of every stored ones (in :meth:`places` order).
+
+        Args:
+            values: New tensors nothing else holds, one per place.
+        """
+        keys = [(store, key) for store in (self.outs, self.srcs) for key in store]
+        for (store, key), value in zip(keys, values, strict=True):
+            self._note(store[key], False)
+            store[key] = value
+            self._note(value, True)
+
+    def places(self) -> list[Any]:
+        """The vectors stored at every place: layer outputs, then glue sources."""
+        return [*self.outs.values(), *self.srcs.values()]
+
     def is_fresh(self, value: Any) -> bool:
         """Whether ``value``, stored here until now, was handed over fresh.
 

@@ -26,7 +26,7 @@ from ggnchunk._autograd import (
     noting,
 )
 from ggnchunk._checks import warn
-from ggnchunk._graph.compress import compressed
+from ggnchunk._graph.compress import compressed, compressed_jointly
 from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
@@ -136,9 +136,16 @@ class Sweeps(Traversal):
             if COMPRESS and quantity.gram_only and not windows
             and not self.shared and visit is None else None
         )  # fmt: skip
+        # the same over every place at once, where the columns span few directions of
+        # all the vectors the sweep holds (below a segmenter's resize to the full image)
+        together = (
+            (lambda values: compressed_jointly(values, quantity.carried))
+            if COMPRESS and quantity.gram_only and not self.shared and visit is None
+            else None
+        )  # fmt: skip
         unions = UNIONS.count
         try:
-            self._traverse(seed, layer, glue, visit, compress=fewer)
+            self._traverse(seed, layer, glue, visit, compress=fewer, joint=together)
         finally:
             if windows and UNIONS.count != unions:
                 self._unions = True  # box sizes may depend on the columns' places

@@ -87,6 +87,7 @@ class Traversal:
         visit: Callable[[str, Tensor], None] | None = None,
         waiting: _Waiting | None = None,
         compress: Callable[[Tensor], Tensor | None] | None = None,
+        joint: Callable[[list[Any]], list[Tensor] | None] | None = None,
     ) -> None:
         """The one traversal: vectors from the output back over the calls.
 
@@ -109,6 +110,9 @@ class Traversal:
             compress: Fewer columns for a layer's input vectors with the same Gram
                 matrix, or ``None`` (:mod:`.compress`); tried only where nothing else of
                 the sweep is alive, so every later step sees the new columns alone.
+            joint: Fewer columns for the vectors at every place the sweep holds, with
+                the same Gram matrix of all of them together, or ``None``; tried before
+                each layer that has vectors waiting at its output.
         """
         waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
@@ -139,7 +143,12 @@ class Traversal:
         push(self.output_key, seed, fresh=False)  # the caller's
         cross_due(len(self.calls))  # glue that only the output's region reaches
         for call in reversed(self.calls):
-            value = outs.pop(edge_key(call.out_edge), None)
+            key = edge_key(call.out_edge)
+            if joint is not None and key in outs and key != self.output_key:
+                smaller = joint(waiting.places())
+                if smaller is not None:
+                    waiting.replace(smaller)
+            value = outs.pop(key, None)
             back = None
             if value is not None:
                 if visit is not None:

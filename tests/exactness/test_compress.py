@@ -8,17 +8,26 @@ replaces them there by each token's QR factor (``min(C, D)`` columns per token;
 chunkings, with the switch off (the same numbers), and with the replacement shown to
 happen; per-sample quantities and shared parameters keep every column, except a table
 tied between the embedding and the head, whose carried rows are mapped with the columns.
+
+Segmenters resize small maps to the full image at the end: a column per output pixel
+and class, but below the resize they span only the small maps' directions. There the
+sweep replaces the vectors at every place it holds together (both classifiers of an
+LRASPP head), with the Gram matrix of all of them kept
+(:func:`~ggnchunk._graph.compress.compressed_jointly`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ggnchunk
 from ggnchunk._graph import compress, sweep
-from tests.reference import assert_diag_close, reference_diag_ggn
+from tests.reference import assert_diag_close, reference_diag_ggn, reference_kron
 
 VOCAB, WIDTH, T = 40, 4, 5
 
@@ -71,6 +80,53 @@ class TwoHeads(nn.Module):
         return torch.cat([self.first(h), self.second(h)], dim=1)
 
 
+class Segmenter(nn.Module):
+    """LRASPP's shape: classifiers at 1/4 and 1/8 added, then resized to the image.
+
+    A gate from the pooled deep features multiplies them (LRASPP's scale branch); at
+    32×32 the 3·1,024 columns per image span 3·(64 + 16) directions below the resize.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 5, stride=4, padding=2)
+        self.body = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+        self.gate = nn.Conv2d(6, 6, 1)
+        self.low = nn.Conv2d(4, 3, 1)
+        self.high = nn.Conv2d(6, 3, 1)
+
+    def forward(self, x):
+        low = torch.relu(self.stem(x))
+        high = torch.tanh(self.body(low))
+        high = high * torch.sigmoid(self.gate(high.mean((2, 3), keepdim=True)))
+        up = F.interpolate(self.high(high), size=low.shape[-2:], mode="bilinear")
+        return F.interpolate(self.low(low) + up, size=x.shape[-2:], mode="bilinear")
+
+
+class DeepLabLike(nn.Module):
+    """One classifier at 1/4 of the image, resized to it: 3·64 directions per image."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 5, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(5, 5, 3, stride=2, padding=2, dilation=2), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Conv2d(5, 3, 1)
+
+    def forward(self, x):
+        return F.interpolate(self.head(self.body(x)), scale_factor=4, mode="bilinear")
+
+
+def _segmenter(n: int, cls: type[nn.Module] = Segmenter, loss: str = "ce"):
+    torch.manual_seed(0)
+    model = cls().double().eval()
+    x = torch.randn(n, 3, 32, 32, dtype=torch.float64)
+    if loss == "mse":
+        return model, nn.MSELoss(), x, torch.randn(n, 3, 32, 32, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), x, torch.randint(0, 3, (n, 32, 32))
+
+
 def _two_heads(n: int):
     torch.manual_seed(0)
     model = TwoHeads().double().eval()
@@ -95,13 +151,22 @@ def _classifier(n: int):
 PROBLEMS = {
     "lm": _lm, "classifier": _classifier, "lm-tied": lambda n: _lm(n, True),
     "two-heads": _two_heads,
+    "segmenter": _segmenter,
+    "segmenter-mse": lambda n: _segmenter(n, loss="mse"),
+    "deeplab-like": lambda n: _segmenter(n, DeepLabLike),
 }  # fmt: skip
+SEGMENTERS = ("segmenter", "segmenter-mse", "deeplab-like")
 CHUNKINGS = {
     "onepass": {},
     "chunks3": {"num_chunks": 3},
     "budget": {"max_memory": "64MiB"},
     "batch-chunks": {"num_chunks": 2, "batch_chunk_size": 2},
 }
+
+
+@functools.cache
+def _expected(name: str, n: int) -> dict[str, torch.Tensor]:
+    return reference_diag_ggn(*PROBLEMS[name](n))  # the problems are seeded
 
 
 @pytest.fixture
@@ -115,7 +180,14 @@ def replaced(monkeypatch):
             seen.append((vectors.shape[0], out.shape[0]))
         return out
 
+    def jointly(values, carried=None):
+        out = compress.compressed_jointly(values, carried)
+        if out is not None:
+            seen.append((compress._shape(values[0])[0], out[0].shape[0]))
+        return out
+
     monkeypatch.setattr(sweep, "compressed", spy)
+    monkeypatch.setattr(sweep, "compressed_jointly", jointly)
     return seen
 
 
@@ -126,16 +198,20 @@ def replaced(monkeypatch):
 def test_fewer_columns_match_the_brute_force(name, n, chunking, replaced):
     model, loss_func, x, y = PROBLEMS[name](n)
     got = ggnchunk.diag_ggn(model, loss_func, x, y, **CHUNKINGS[chunking])
-    expected = reference_diag_ggn(model, loss_func, x, y)
+    expected = _expected(name, n)
     assert_diag_close(got, expected, rtol=1e-10, label=f"{name} n={n} {chunking}")
     if name == "two-heads":  # not at a head (the other's columns wait at h): below
         assert chunking != "onepass" or [b for b, _ in replaced] == [VOCAB]
+    elif name in SEGMENTERS:  # below the resize: the small maps' directions
+        if chunking in ("onepass", "batch-chunks"):
+            kept = 3 * (64 + 16) if name.startswith("segmenter") else 3 * 64
+            assert replaced and all(after == kept for _, after in replaced), replaced
     elif chunking in ("onepass", "batch-chunks"):
         # whole tokens (or samples) per pass: min(40, 4) columns for each
         assert replaced and all(after * 2 <= before for before, after in replaced)
 
 
-@pytest.mark.parametrize("name", ["lm", "classifier"])
+@pytest.mark.parametrize("name", ["lm", "classifier", "segmenter"])
 def test_the_switch_gives_the_same_diagonal(name, monkeypatch, replaced):
     model, loss_func, x, y = PROBLEMS[name](3)
     fewer = ggnchunk.diag_ggn(model, loss_func, x, y)
@@ -167,6 +243,55 @@ def test_kronecker_factors_with_fewer_columns(monkeypatch, replaced):
     every = ggnchunk.kron_ggn(model, loss_func, x, y)
     for name, factor in fewer.items():
         assert torch.allclose(factor.output, every[name].output, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("windows", [True, False], ids=["windowed", "dense"])
+def test_segmenter_kronecker_factors_with_fewer_columns(windows, monkeypatch, replaced):
+    """Both classifiers' factors against the brute force, with and without windows."""
+    from ggnchunk import _windows
+
+    monkeypatch.setattr(_windows, "ENABLED", windows)
+    model, loss_func, x, y = _segmenter(2)
+    fewer = ggnchunk.kron_ggn(model, loss_func, x, y)
+    assert replaced and all(after == 3 * 80 for _, after in replaced), replaced
+    expected = reference_kron(model, loss_func, x, y)
+    assert set(fewer) == set(expected)
+    for name, (output, inputs) in expected.items():
+        assert torch.allclose(fewer[name].output, output, rtol=1e-10, atol=1e-14), name
+        assert torch.allclose(fewer[name].input, inputs, rtol=1e-10, atol=1e-14), name
+
+
+def test_torchvision_lraspp_replaces_its_columns_below_the_resize(replaced):
+    """Torchvision's LRASPP, float64: the classifiers and the first convolution train.
+
+    The columns cross the whole frozen backbone to reach the first layer.
+    """
+    torchvision = pytest.importorskip("torchvision")
+
+    class Out(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)["out"]
+
+    torch.manual_seed(0)
+    net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3
+    )
+    net.requires_grad_(False)
+    net.classifier.low_classifier.requires_grad_(True)
+    net.classifier.high_classifier.requires_grad_(True)
+    net.backbone["0"][0].requires_grad_(True)
+    model = Out(net).double().eval()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 16, 16))
+    got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    # both 1x1 classifiers run at 1/8 of the image (the high branch is resized first)
+    assert replaced and all(after == 3 * (4 + 4) for _, after in replaced), replaced
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    assert_diag_close(got, expected, rtol=1e-9, label="lraspp")
 
 
 def test_per_sample_keeps_every_column(replaced):

@@ -240,10 +240,14 @@ def test_concurrent_calls_restore_the_compiler_stance():
             return self.net(x)
 
     errors = []
+    # every model built before the thread starts: _conv_net seeds torch's global RNG,
+    # and two threads drawing from it at once get each other's numbers
+    expected = reference_diag_ggn(_conv_net(), nn.MSELoss(), x, y)
+    models = Held(first_in, second_in), Held(second_in, first_done)
 
     def first():  # enters first, leaves once the second call is inside its forward
         try:
-            ggnchunk.diag_ggn(Held(first_in, second_in), nn.MSELoss(), x, y)
+            ggnchunk.diag_ggn(models[0], nn.MSELoss(), x, y)
         except Exception as error:  # reported below
             errors.append(error)
         finally:
@@ -252,9 +256,8 @@ def test_concurrent_calls_restore_the_compiler_stance():
     thread = threading.Thread(target=first)
     thread.start()
     try:
-        expected = reference_diag_ggn(_conv_net(), nn.MSELoss(), x, y)
         assert first_in.wait(30)
-        diag = ggnchunk.diag_ggn(Held(second_in, first_done), nn.MSELoss(), x, y)
+        diag = ggnchunk.diag_ggn(models[1], nn.MSELoss(), x, y)
     finally:
         second_in.set()
         first_done.set()
