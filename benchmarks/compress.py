@@ -1,8 +1,10 @@
-"""Columns below a wide head replaced by fewer with the same Gram, against all kept (#21).
+"""Columns replaced by fewer with the same Gram, against all kept (#21).
 
 ``python -m benchmarks.compress [--out DIR] [--repeats K]``: in one process at 1 thread,
 alone on the machine. Below a language model's head a token's ``C`` columns (one per
-word) span the head's ``D``-wide input; the sweep replaces them by each token's QR factor
+word) span the head's ``D``-wide input; the sweep replaces them by each token's QR factor.
+Below a segmenter's final resize the columns (one per pixel and class) span the small
+maps' directions; the sweep replaces the vectors at every place it holds together
 (:mod:`ggnchunk._graph.compress`; the internal switch
 ``ggnchunk._graph.sweep.COMPRESS``). Each ``diag_ggn`` call runs with and without,
 alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the best of
@@ -33,6 +35,11 @@ CASES = [
         {"max_memory": "48MiB"},
     ),
     ("classifier_1000", "classifier 128-256-1000, N=64", {}),
+    # segmenters: a column per pixel and class, the small maps' directions below the
+    # final resize (every place the sweep holds replaced together)
+    ("lraspp_frozen", "torchvision LRASPP, partly frozen, 2×3×64×64", {}),
+    ("lraspp_frozen", "the same, max_memory=512MiB", {"max_memory": "512MiB"}),
+    ("deeplab_frozen", "torchvision DeepLabV3-MobileNetV3, partly frozen, 2×3×32×32", {}),
 ]
 
 

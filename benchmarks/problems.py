@@ -215,6 +215,27 @@ def lraspp_frozen(scale: int = 1, side: int = 64) -> Problem:
     return _OutOnly(net), nn.CrossEntropyLoss(), x, y
 
 
+def deeplab_frozen(scale: int = 1) -> Problem:
+    """Torchvision's DeepLabV3 MobileNetV3-Large, partly frozen, 3 classes, per-pixel CE.
+
+    ``deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)``
+    on ``[2, 3, 32, 32]`` (3·1,024 columns per image): its first convolution, one
+    squeeze-excitation block, the ASPP projection and the classifier train; every
+    other parameter is frozen (eval mode).
+    """
+    import torchvision
+
+    net = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, aux_loss=False
+    )
+    keep = ("backbone.0.", "backbone.4.block.2", "classifier.0.project", "classifier.4")
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name.startswith(keep))
+    x = torch.randn(2 * scale, 3, 32, 32)
+    y = torch.randint(0, 3, (2 * scale, 32, 32))
+    return _OutOnly(net), nn.CrossEntropyLoss(), x, y
+
+
 def resnet18_frozen(scale: int = 1) -> Problem:
     """ResNet-18 with a frozen backbone: only ``layer1`` and the 100-class head train.
 
@@ -499,6 +520,7 @@ PROBLEMS.update(
     attention_sr=attention_sr,
     depth_head_f64=depth_head_f64,
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
+    deeplab_frozen=deeplab_frozen,
     gpt_eager=gpt_eager, reflect_generator=reflect_generator,
     cyclegan_generator=cyclegan_generator,
 )  # fmt: skip
