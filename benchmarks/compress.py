@@ -69,14 +69,16 @@ def _rows(repeats: int) -> list[dict]:
 
 def _table(rows: list[dict], environment: dict) -> str:
     return ab.table(
-        "Columns below a wide head replaced by fewer with the same Gram (issue 21)", "",
+        "Columns replaced by fewer with the same Gram (issue 21)", "",
         environment, rows, NAMES, ("every column", "fewer columns", "every / fewer"),
     )  # fmt: skip
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    ab.bars(rows, NAMES, ("every column", "fewer columns, same Gram"),
-            [r["name"] for r in rows], path)  # fmt: skip
+    labels = [
+        r["name"] + (" (budget)" if "max_memory" in r["chunking"] else "") for r in rows
+    ]
+    ab.bars(rows, NAMES, ("every column", "fewer columns, same Gram"), labels, path)
 
 
 def main(argv: list[str] | None = None) -> None:
