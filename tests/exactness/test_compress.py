@@ -294,12 +294,33 @@ def test_torchvision_lraspp_replaces_its_columns_below_the_resize(replaced):
     assert_diag_close(got, expected, rtol=1e-9, label="lraspp")
 
 
-def test_per_sample_keeps_every_column(replaced):
-    model, loss_func, x, y = _lm(3)
+@pytest.mark.parametrize("name", ["lm", "segmenter"])
+def test_per_sample_keeps_every_column(name, replaced):
+    model, loss_func, x, y = PROBLEMS[name](3)
     got = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True)
     assert not replaced  # each sample's products are kept: no Gram to share
-    total = reference_diag_ggn(model, loss_func, x, y)
-    assert_diag_close({k: v.sum(0) for k, v in got.items()}, total, rtol=1e-10)
+    assert_diag_close({k: v.sum(0) for k, v in got.items()}, _expected(name, 3), 1e-10)
+
+
+def test_output_variance_keeps_every_column(replaced):
+    """Each output's variance is a sum over parameters per column: no Gram to share."""
+    model, _, x, _ = _segmenter(2, DeepLabLike)
+    torch.manual_seed(1)
+    variance = {
+        n: torch.rand_like(p) for n, p in model.named_parameters() if p.requires_grad
+    }
+    got = ggnchunk.output_variance(model, x, variance)
+    assert not replaced
+    params = dict(model.named_parameters())
+    for i in range(2):  # sum_p J_mp^2 s_p per output m, by torch.func
+        jac = torch.func.jacrev(
+            lambda p, i=i: torch.func.functional_call(model, p, (x[i : i + 1],))
+        )(params)
+        expected = sum(
+            (jac[n].reshape(3 * 32 * 32, -1) ** 2 * variance[n].reshape(1, -1)).sum(1)
+            for n in variance
+        )
+        assert torch.allclose(got[i].reshape(-1), expected, rtol=1e-10, atol=1e-14)
 
 
 def test_the_gram_matrix_is_kept():
