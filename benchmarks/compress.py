@@ -6,9 +6,10 @@ word) span the head's ``D``-wide input; the sweep replaces them by each token's 
 Below a segmenter's final resize the columns (one per pixel and class) span the small
 maps' directions; the sweep replaces the vectors at every place it holds together
 (:mod:`ggnchunk._graph.compress`; the internal switch
-``ggnchunk._graph.sweep.COMPRESS``). Each ``diag_ggn`` call runs with and without,
-alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then the best of
-``--repeats`` (default 1).
+``ggnchunk._graph.sweep.COMPRESS``); in chunks, the passes stop there and their
+Gram's factor goes on below (``Cut``, the same switch). Each ``diag_ggn`` call runs with
+and without, alternating (:func:`benchmarks.ab.alternate`): one untimed call each, then
+the best of ``--repeats`` (default 1).
 
 Writes ``compress.json``, ``compress.md`` and ``compress.png`` into ``--out`` (default
 ``benchmarks/results/compress``).
@@ -38,8 +39,12 @@ CASES = [
     # segmenters: a column per pixel and class, the small maps' directions below the
     # final resize (every place the sweep holds replaced together)
     ("lraspp_frozen", "torchvision LRASPP, partly frozen, 2×3×64×64", {}),
+    # in chunks (a budget's passes, num_chunks): the passes stop below the resize and
+    # their Gram's factor is swept below once (:class:`ggnchunk._graph.compress.Cut`)
     ("lraspp_frozen", "the same, max_memory=512MiB", {"max_memory": "512MiB"}),
+    ("lraspp_frozen", "the same, num_chunks=8", {"num_chunks": 8}),
     ("deeplab_frozen", "torchvision DeepLabV3-MobileNetV3, partly frozen, 2×3×32×32", {}),
+    ("deeplab_frozen", "the same, max_memory=256MiB", {"max_memory": "256MiB"}),
 ]
 
 
@@ -75,9 +80,15 @@ def _table(rows: list[dict], environment: dict) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    labels = [
-        r["name"] + (" (budget)" if "max_memory" in r["chunking"] else "") for r in rows
-    ]
+    def label(row: dict) -> str:
+        chunking = row["chunking"]
+        if "max_memory" in chunking:
+            return f"{row['name']} (budget)"
+        if "num_chunks" in chunking and row["name"].startswith(("lraspp", "deeplab")):
+            return f"{row['name']} ({chunking['num_chunks']} chunks)"
+        return row["name"]
+
+    labels = [label(r) for r in rows]
     ab.bars(rows, NAMES, ("every column", "fewer columns, same Gram"), labels, path)
 
 

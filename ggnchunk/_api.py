@@ -59,7 +59,10 @@ class GGNReport:
     Attributes:
         num_columns: Columns of the loss Hessian's square root per forward pass.
         batch_chunks: ``(start, stop)`` sample ranges, one forward pass each.
-        schedules: One :class:`~ggnchunk.ScheduleReport` per sample range.
+        schedules: One :class:`~ggnchunk.ScheduleReport` per sample range, two where
+            the passes stopped where the columns span few directions (a segmenter's
+            classifiers below its resize) and the second swept their Gram's factor
+            from there (docs: how it works).
         lean: Whether a tight ``max_memory`` made the passes lean: convolutions'
             patches unfolded one sample at a time in every pass instead of kept for the
             forward pass (less memory, more time).
@@ -557,6 +560,48 @@ def _plan_for_budget(
     return _bounds_for_budget(run, budget, level, total, device)[0]
 
 
+def _below_cut(
+    run: GGNComputation, columns: int, options: ChunkOptions, schedule: ScheduleReport,
+    tracker: Any, baseline: int | None, bar: Any, device: torch.device,
+) -> ScheduleReport:  # fmt: skip
+    """Phase two of a call whose passes stopped at a cut: the factor's columns below.
+
+    Within the same budget (planned from the dense bound, from the memory in use,
+    which holds the factor), else in chunks of the passes' size (dense parts).
+
+    Args:
+        run: The computation, after its passes.
+        columns: The factor's columns (:meth:`GGNComputation.columns_below_cut`).
+        options: The call's (rank's) options.
+        schedule: The passes' schedule.
+        tracker: The call's memory tracker (``None``: unmeasured).
+        baseline: The call's memory baseline.
+        bar: The progress bar, or ``None``.
+        device: Where the work runs.
+
+    Returns:
+        Phase two's schedule.
+    """
+    budget = schedule.budget_bytes if tracker is not None else None
+    if budget is not None:
+        scheduler = ChunkScheduler(
+            max_memory=budget, device=device, recover_oom=options.recover_oom,
+            what="columns", tracker=tracker,
+        )  # fmt: skip
+    else:
+        scheduler = ChunkScheduler(
+            chunk_size=min(columns, run.dense_part(schedule.chunk_size)),
+            device=device, recover_oom=options.recover_oom, what="columns",
+        )  # fmt: skip
+
+    def below(a: int, b: int) -> None:
+        run.below_cut(a, b)
+        if bar is not None:
+            bar.update(1)
+
+    return scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[1]
+
+
 def _progress_bar(show: bool) -> Any:
     """A tqdm bar over backward passes, or ``None``; tqdm is imported only when asked."""
     if not show:
@@ -664,10 +709,25 @@ def _compute(
                     _dense_after_first_pass(run, budget, level, total, problem.device)
                 return run.fixed_bytes(), run.column_bytes()
 
+            run.expect(last - first, None if budget is None else (budget - level) // 8)
             _, schedule = scheduler.run(
                 last - first, backward, baseline=baseline, cost=bound
             )
             report.schedules.append(schedule)
+            below = run.columns_below_cut()
+            if below:  # the passes stopped at a cut: its Gram's factor swept below
+                report.schedules.append(
+                    _below_cut(
+                        run,
+                        below,
+                        local,
+                        schedule,
+                        tracker,
+                        baseline,
+                        bar,
+                        problem.device,
+                    )
+                )
         report.windowed = report.windowed or run.windowed_passes > 0
         report.window_ends.update(run.window_ends)
         if with_gradient:

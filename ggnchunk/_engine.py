@@ -37,6 +37,7 @@ from ggnchunk._autograd import BatchNormBase
 from ggnchunk._checks import Batch
 from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording
+from ggnchunk._graph.compress import Cut
 from ggnchunk._memory import synchronize
 from ggnchunk._quantities import Gradient, Quantity, Sampling
 from ggnchunk._rules import LayerRule, rule_for
@@ -528,7 +529,9 @@ class GGNComputation:
         """
         element = self._output.element_size()
         sqrt = self._require_sqrt()
-        dense = self._recording.column_bytes(element) + sqrt.column_bytes()
+        # where the passes stop at a cut (known after the first): what they hold above
+        cut = self._cut_place("above")
+        dense = self._recording.column_bytes(element, cut=cut) + sqrt.column_bytes()
         self._dense_share = 1.0
         if (
             self._windowed(sqrt) and self._windows.choice is not False
@@ -546,7 +549,7 @@ class GGNComputation:
             # dense passes then run the chunk in parts of the share that fits
             positions = math.prod(self._output.shape[2:])
             seed = 2 * -(-sqrt.column_bytes() // positions) + 64
-            windowed = self._recording.column_bytes(element, windowed=True) + seed
+            windowed = self._recording.column_bytes(element, True, cut) + seed
             self._dense_share = min(1.0, windowed / max(dense, 1))
             return min(dense, windowed)
         return dense
@@ -694,6 +697,11 @@ class GGNComputation:
             stop: Last column (exclusive).
         """
         sqrt = self._require_sqrt()
+        if self._expected is not None:  # the first pass: two phases if it is a chunk
+            total, room = self._expected
+            self._expected = None
+            if stop - start < total and self.quantity.gram_only:
+                self._cut = Cut(total, room)
         choice = self._windows
         if not self._windowed(sqrt) or choice.choice is False:
             self._dense(sqrt, start, stop)
@@ -726,7 +734,7 @@ class GGNComputation:
         ``num_chunks=8``), 7 ms of the tutorial autoencoder's 25 ms first-call excess.
         """
         choice = self._windows
-        run = self._dense_part(stop - start)  # dense passes' parts
+        run = self.dense_part(stop - start)  # dense passes' parts
         # the trial's dense part: half the chunk at most (a tenth timed dense parts
         # of 21 columns where dense passes ran 89, and kept dense on the kernel-4
         # 28x28 autoencoder at 64 MiB: 0.99x of dense where windows are 2.8x)
@@ -759,15 +767,22 @@ class GGNComputation:
 
     def _dense(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         """A dense pass, in parts where the chunk was planned with the windowed bound."""
-        part = self._dense_part(stop - start)
+        part = self.dense_part(stop - start)
         if part >= stop - start:
             self._backward(sqrt, start, stop, False)
             return
         for a in range(start, stop, part):
             self._part(sqrt, a, min(stop, a + part), False)
 
-    def _dense_part(self, columns: int) -> int:
-        """Columns of a dense part of a chunk of ``columns``."""
+    def dense_part(self, columns: int) -> int:
+        """Columns of a dense part of a chunk of ``columns``.
+
+        Args:
+            columns: The chunk's.
+
+        Returns:
+            At most ``columns``.
+        """
         part = max(1, int(columns * self._dense_share))
         return part if self._dense_limit is None else min(part, self._dense_limit)
 
@@ -811,7 +826,7 @@ class GGNComputation:
                 self.windowed_passes += 1
             else:
                 seed = sqrt.columns(start, stop)
-            self._recording.sweep(seed, self.quantity)
+            self._recording.sweep(seed, self.quantity, cut=self._cut)
             if windowed:  # the fields' images the later passes reuse are all kept
                 self._recording.images.freeze()
         except BaseException:
@@ -820,6 +835,70 @@ class GGNComputation:
 
     windowed_passes = 0
     """Backward passes that carried their columns on boxes."""
+
+    # -- two phases: chunks' sweeps stop at a cut, its Gram's factor swept below -------
+    _expected: tuple[int, int | None] | None = None
+    _cut: Cut | None = None
+
+    def expect(self, total: int, room: int | None = None) -> None:
+        """Before the first pass: the passes will cover ``total`` columns.
+
+        Where the first pass is a chunk of them (fewer), every pass may stop where the
+        columns span few directions of everything the sweep holds, and the Gram there,
+        added over the passes, is swept below once (:class:`ggnchunk._graph.compress.
+        Cut`): then :meth:`columns_below_cut` and :meth:`below_cut` finish the call.
+
+        Args:
+            total: Columns the call's passes cover.
+            room: Bytes the Gram may take (a budget's room; ``None``: no limit).
+        """
+        self._expected = (total, room)
+
+    def columns_below_cut(self) -> int:
+        """After the passes: the factor columns still to sweep below the cut (or 0).
+
+        The first call factors the Gram the passes added (and frees it).
+
+        Returns:
+            Columns ``R`` per sample (:meth:`below_cut` takes ranges of ``[0, R)``).
+        """
+        cut = self._cut
+        if cut is None or not cut.on:
+            return 0
+        return cut.factor(self._output.dtype)
+
+    def below_cut_bytes(self) -> tuple[int, int]:
+        """The memory bound of the passes below the cut: fixed, and per column.
+
+        Returns:
+            ``(fixed bytes, bytes per column)`` (dense vectors, counted from the
+            memory in use, which holds the factor's columns).
+        """
+        element = self._output.element_size()
+        below = self._cut_place("below")
+        return self.fixed_bytes(), self._recording.column_bytes(element, cut=below)
+
+    def _cut_place(self, side: str) -> tuple[str, int] | None:
+        cut = self._cut
+        return None if cut is None or not cut.on else (side, cut.index)
+
+    def below_cut(self, start: int, stop: int) -> None:
+        """Sweep factor columns ``start:stop`` from the cut to the inputs (phase two).
+
+        Args:
+            start: First column.
+            stop: One past the last.
+        """
+        cut = self._cut
+        shift = self.num_columns  # ranges apart from the chunks' (failed-pass records)
+        self.quantity.begin(None, shift + start, shift + stop)
+        self._recording.passes_ahead = -(-cut.columns.shape[0] // max(stop - start, 1))
+        try:
+            waiting = cut.waiting(start, stop, self._recording.images)
+            self._recording.sweep(None, self.quantity, cut=cut, resume=waiting)
+        except BaseException:
+            self.quantity.abort()
+            raise
 
     @property
     def window_ends(self) -> dict[str, str]:

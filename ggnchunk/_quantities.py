@@ -228,7 +228,8 @@ class Quantity:
         """A sweep over columns ``start:stop`` begins.
 
         Args:
-            sqrt: The columns' sqrt.
+            sqrt: The columns' sqrt (``None`` for a sweep below a cut, whose columns
+                factor a Gram: :class:`ggnchunk._graph.compress.Cut`).
             start: First column.
             stop: Last column (exclusive).
         """
@@ -672,7 +673,8 @@ class DiagonalGGN(_Products):
 
     def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
         super().begin(sqrt, start, stop)
-        self._mask = sqrt.squared_mask(start, stop)
+        # (no sqrt: columns below a cut, not the output's)
+        self._mask = None if sqrt is None else sqrt.squared_mask(start, stop)
 
     def _into(self, call: Call) -> dict[str, Tensor]:
         # the diagonal's accumulators themselves (a skipped parameter is left alone), a

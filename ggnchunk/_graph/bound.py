@@ -16,7 +16,7 @@ from ggnchunk._autograd import (
     edge_key,
 )
 from ggnchunk._graph.parts import Call, _Source, _Waiting
-from ggnchunk._graph.traverse import Traversal
+from ggnchunk._graph.traverse import STOP, Traversal
 from ggnchunk._rules.conv import ConvRule, ConvTransposeRule
 from ggnchunk._rules.folded import FoldedRule
 from ggnchunk._rules.kernels import MAPS_MARGIN
@@ -27,7 +27,9 @@ _MAP_RULES = (ConvRule, ConvTransposeRule, FoldedRule)
 class MemoryBound(Traversal):
     """The bytes a sweep over the recording needs (mixed into the recording)."""
 
-    def column_bytes(self, element: int, windowed: bool = False) -> int:
+    def column_bytes(
+        self, element: int, windowed: bool = False, cut: tuple[str, int] | None = None
+    ) -> int:
         """An upper bound on the bytes one square-root column costs during a sweep.
 
         Runs the sweep's own traversal (:meth:`_traverse`) on sizes instead of tensors:
@@ -47,6 +49,9 @@ class MemoryBound(Traversal):
         Args:
             element: Bytes per element of the computation's dtype.
             windowed: Count the windowed sweeps' sizes.
+            cut: ``("above", index)``: the sweeps stop before call ``index``, where they
+                add their vectors' Gram (:class:`.compress.Cut`); ``("below", index)``:
+                the sweeps start there, with a factor's columns.
 
         Returns:
             Bytes per column (a chunk of ``V`` columns needs ``V`` times this).
@@ -162,8 +167,23 @@ class MemoryBound(Traversal):
             )
             tied[head] = tied.get(head, 0) + inner * positions + rows
             carried += rows
+
         # the sweep's own traversal, on sizes (elements per column and sample)
-        self._traverse(self._sources[self.output_key].numel, layer, glue, waiting=waiting)
+        def at_cut(held: _Waiting, call: Call) -> Any:
+            nonlocal worst
+            if cut is None or call.index != cut[1]:
+                return None
+            if cut[0] == "above":  # the Gram's operands: joined, in float64
+                settle(3 * held.total())
+                return STOP
+            worst = 0  # below: what the sweeps from here hold
+            settle(0)
+            return None
+
+        self._traverse(
+            self._sources[self.output_key].numel, layer, glue, waiting=waiting,
+            joint=None if cut is None else at_cut,
+        )  # fmt: skip
         squared = {i for c in self.calls if c.index in boxed for i, _ in c.params}
         shared_total = sum(self._params[i].numel() for i in self.shared if i not in squared)
         return int(self.size_margin() * (worst + shared_total + carried) * n * element)

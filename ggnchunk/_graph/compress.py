@@ -173,3 +173,156 @@ def _blocks(
     if carried is not None:
         carried.update(kept)
     return out
+
+
+class Cut:
+    """Where a call's chunked sweeps stop, and the Gram of every chunk's vectors there.
+
+    A segmenter's columns (one per output pixel and class) span only its small maps'
+    directions below the final resize, but a chunk of them has too few columns for
+    :func:`compressed_jointly` to gain: a budget's passes each sweep the whole model.
+    Over a call's chunks, though, the sweeps below such a place need only the Gram
+    matrix of all the chunks' vectors there, per sample (their sum is a sum over
+    columns, and what is added up below depends on the columns through it alone).
+
+    So the call runs in two phases. The chunks' sweeps (phase one) stop before the
+    first layer where the vectors at every place the sweep holds have at most
+    :data:`WORTH` times as many entries per sample, together, as the columns that reach
+    them over the call (the first sweep decides where; the later ones stop at the same
+    place) and add their Gram ``G_n = sum_v g_v g_v^T`` (``[N, D, D]``, float64). Then
+    the columns of a factor of it (``C_n C_n^T = G_n``, at most ``D`` per sample) are
+    swept from there to the inputs (phase two, in chunks of their own). Exact: the
+    parts above the cut see every column once, the parts below see columns with the
+    same Gram.
+
+    Not used where the quantity carries per-column rows past the cut (a tied table's),
+    which the Gram does not hold.
+
+    Args:
+        total: Columns the call's chunks cover.
+        room: Bytes the Gram and its factoring may take (``None``: no limit); a place
+            whose Gram needs more is not a cut.
+    """
+
+    def __init__(self, total: int, room: int | None) -> None:
+        self.total = total
+        self.room = room
+        self.decided = False
+        self.index: int | None = None  # the call before which the sweeps stop
+        # (at layer outputs, key, shape after [V, N]) per place, in the places' order
+        self.layout: list[tuple[bool, Any, tuple[int, ...]]] = []
+        self.gram: Tensor | None = None
+        self.columns: Tensor | None = None  # [R, N, D] after :meth:`factor`
+
+    @property
+    def on(self) -> bool:
+        """Whether the sweeps stop at a place (decided by the first one)."""
+        return self.index is not None
+
+    def step(self, waiting: Any, call: Any, columns: int, carried: dict) -> Any:
+        """Before a layer call in a phase-one sweep: stop here, or go on.
+
+        Args:
+            waiting: The sweep's waiting vectors (:class:`~.parts._Waiting`).
+            call: The layer call next.
+            columns: Columns of the sweep's seed.
+            carried: The quantity's per-column tensors (see :func:`compressed`).
+
+        Returns:
+            :data:`~.traverse.STOP` where the sweep ends (its Gram added), else ``None``.
+        """
+        from ggnchunk._graph.traverse import STOP
+
+        if self.decided and self.index != call.index:
+            return None
+        values = waiting.places()
+        shapes = [_shape(value) for value in values]
+        if not shapes or any(shape is None for shape in shapes):
+            return None
+        v, n = shapes[0][:2]
+        if any(shape[:2] != (v, n) for shape in shapes):
+            return None
+        places = [(True, key) for key in waiting.outs]
+        places += [(False, key) for key in waiting.srcs]
+        layout = [(o, k, s[2:]) for (o, k), s in zip(places, shapes, strict=True)]
+        if self.decided:
+            if layout != self.layout:  # (never seen) this sweep goes on to the inputs
+                return None
+            self._gather(values, v, n)
+            return STOP
+        width = sum(math.prod(shape[2:]) for shape in shapes)
+        # columns reaching this place over the call: the seed's scaled by this chunk's
+        # share (a per-token compression above may have made them fewer already)
+        reaching = v * self.total / max(columns, 1)
+        first = values[0].data if isinstance(values[0], Windowed) else values[0]
+        if width > WORTH * reaching or not first.is_floating_point():
+            return None
+        if carried:  # a tied table's rows: not in the Gram
+            self.decided = True
+            return None
+        if self.room is not None and 3 * 8 * n * width * width > self.room:
+            return None
+        self._gather(values, v, n)
+        self.decided, self.index, self.layout = True, call.index, layout
+        return STOP
+
+    def sweep_done(self) -> None:
+        """A phase-one sweep ended: where the first did not stop, none does."""
+        self.decided = True
+
+    def _gather(self, values: list[Any], v: int, n: int) -> None:
+        flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
+        flat = flat.double().permute(1, 2, 0)  # [N, D, V]
+        gram = flat @ flat.transpose(1, 2)
+        if self.gram is None:
+            self.gram = gram
+        else:
+            self.gram += gram
+
+    def factor(self, dtype: torch.dtype) -> int:
+        """Factor the Gram (once; it is freed): the number of phase-two columns.
+
+        Args:
+            dtype: The computation's dtype.
+
+        Returns:
+            ``R``: columns per sample of a factor ``C_n`` (``C_n C_n^T = G_n``); 0
+            where no sweep stopped.
+        """
+        if self.columns is None and self.gram is not None:
+            gram, self.gram = self.gram, None
+            values, vectors = torch.linalg.eigh(gram)  # ascending, [N, D], [N, D, D]
+            del gram
+            # directions whose eigenvalue is rounding (or zero) in every sample add
+            # nothing: dropped
+            top = values[:, -1:].clamp(min=0)
+            tiny = values <= values.shape[1] * torch.finfo(values.dtype).eps * top
+            keep = max(1, int((~tiny).sum(dim=1).max()))
+            scale = values[:, -keep:].clamp(min=0).sqrt()  # [N, R]
+            factor = vectors[:, :, -keep:] * scale.unsqueeze(1)  # [N, D, R]
+            self.columns = factor.permute(2, 0, 1).to(dtype).contiguous()  # [R, N, D]
+        return 0 if self.columns is None else self.columns.shape[0]
+
+    def waiting(self, start: int, stop: int, images: Any) -> Any:
+        """Phase two's vectors for factor columns ``start:stop``, at the cut's places.
+
+        Args:
+            start: First column.
+            stop: One past the last.
+            images: The recording's field cache (for the waiting vectors).
+
+        Returns:
+            A :class:`~.parts._Waiting` holding ``[stop - start, N, ...]`` per place.
+        """
+        from ggnchunk._graph.parts import _Waiting
+
+        columns = self.columns[start:stop]
+        v, n = columns.shape[:2]
+        widths = [math.prod(shape) for _, _, shape in self.layout]
+        waiting = _Waiting(images)
+        for (at_output, key, shape), part in zip(
+            self.layout, columns.split(widths, dim=2), strict=True
+        ):
+            store = waiting.outs if at_output else waiting.srcs
+            waiting.add(store, key, part.reshape(v, n, *shape).clone(), fresh=True)
+        return waiting

@@ -26,7 +26,7 @@ from ggnchunk._autograd import (
     noting,
 )
 from ggnchunk._checks import warn
-from ggnchunk._graph.compress import compressed, compressed_jointly
+from ggnchunk._graph.compress import Cut, compressed, compressed_jointly
 from ggnchunk._graph.glue_windows import cross
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._graph.traverse import Traversal
@@ -47,6 +47,8 @@ class Sweeps(Traversal):
         seed: Tensor,
         quantity: Quantity,
         visit: Callable[[str, Tensor], None] | None = None,
+        cut: Cut | None = None,
+        resume: _Waiting | None = None,
     ) -> None:
         """Backpropagate ``seed`` over the calls; the quantity works at the parameters.
 
@@ -58,6 +60,10 @@ class Sweeps(Traversal):
                 is done.
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
+            cut: Where a call's chunked sweeps stop (phase one, :class:`.compress.Cut`):
+                the sweep ends there, its Gram kept, if the cut is decided there.
+            resume: Phase two: the vectors at the cut's places (``seed`` is not used);
+                the sweep goes on from there to the inputs.
         """
 
         def glue(source: _Source, grads: Tensor) -> list[tuple[GradientEdge, Any]]:
@@ -138,17 +144,32 @@ class Sweeps(Traversal):
         )  # fmt: skip
         # the same over every place at once, where the columns span few directions of
         # all the vectors the sweep holds (below a segmenter's resize to the full image)
-        together = (
-            (lambda values: compressed_jointly(values, quantity.carried))
-            if COMPRESS and quantity.gram_only and not self.shared and visit is None
-            else None
-        )  # fmt: skip
+        together = None
+        if COMPRESS and quantity.gram_only and not self.shared and visit is None:
+            if cut is not None and resume is None:  # a chunk's sweep: stops at the cut
+                columns = (seed.data if windows else seed).shape[0]
+
+                def together(waiting: _Waiting, call: Call) -> Any:
+                    return cut.step(waiting, call, columns, quantity.carried)
+
+            elif resume is None:
+
+                def together(waiting: _Waiting, call: Call) -> Any:
+                    smaller = compressed_jointly(waiting.places(), quantity.carried)
+                    if smaller is not None:
+                        waiting.replace(smaller)
+
         unions = UNIONS.count
+        start = None if resume is None else (cut.index, resume)
         try:
-            self._traverse(seed, layer, glue, visit, compress=fewer, joint=together)
+            self._traverse(
+                seed, layer, glue, visit, compress=fewer, joint=together, resume=start
+            )
         finally:
             if windows and UNIONS.count != unions:
                 self._unions = True  # box sizes may depend on the columns' places
+        if cut is not None and resume is None:
+            cut.sweep_done()
         self._warn_fallbacks()
         quantity.end(self)
 

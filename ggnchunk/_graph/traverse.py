@@ -20,6 +20,9 @@ from ggnchunk._graph.glue_windows import GluePlan, plan
 from ggnchunk._graph.parts import Call, _display, _Source, _Waiting
 from ggnchunk._windows import FieldCache
 
+STOP = object()
+"""A ``joint`` step's answer: the traversal ends before this call."""
+
 
 class Traversal:
     """What a recording holds after its plan, and the traversal over it.
@@ -87,7 +90,8 @@ class Traversal:
         visit: Callable[[str, Tensor], None] | None = None,
         waiting: _Waiting | None = None,
         compress: Callable[[Tensor], Tensor | None] | None = None,
-        joint: Callable[[list[Any]], list[Tensor] | None] | None = None,
+        joint: Callable[[_Waiting, Call], Any] | None = None,
+        resume: tuple[int, _Waiting] | None = None,
     ) -> None:
         """The one traversal: vectors from the output back over the calls.
 
@@ -110,11 +114,20 @@ class Traversal:
             compress: Fewer columns for a layer's input vectors with the same Gram
                 matrix, or ``None`` (:mod:`.compress`); tried only where nothing else of
                 the sweep is alive, so every later step sees the new columns alone.
-            joint: Fewer columns for the vectors at every place the sweep holds, with
-                the same Gram matrix of all of them together, or ``None``; tried before
-                each layer that has vectors waiting at its output.
+            joint: ``joint(waiting, call)`` before each layer call that has vectors
+                waiting at its output: may put fewer columns with the same Gram matrix
+                of all of them together in place of the vectors at every place
+                (:meth:`_Waiting.replace`), or return :data:`STOP` to end the traversal
+                there (their Gram kept for a later one, :mod:`.compress`).
+            resume: ``(index, waiting)``: go on from before call ``index``, where a
+                traversal stopped, with the vectors ``waiting`` there (``seed`` is not
+                used).
         """
-        waiting = _Waiting(self.images) if waiting is None else waiting
+        if resume is not None:
+            first, waiting = resume
+        else:
+            first = len(self.calls) - 1
+            waiting = _Waiting(self.images) if waiting is None else waiting
         outs, srcs, add = waiting.outs, waiting.srcs, waiting.add
 
         def push(key: EdgeKey, value: Tensor, fresh: bool) -> None:
@@ -140,14 +153,14 @@ class Traversal:
                         visit(self.source_place(key), pending)
                     push(key, pending, fresh=waiting.is_fresh(pending))
 
-        push(self.output_key, seed, fresh=False)  # the caller's
-        cross_due(len(self.calls))  # glue that only the output's region reaches
-        for call in reversed(self.calls):
+        if resume is None:
+            push(self.output_key, seed, fresh=False)  # the caller's
+            cross_due(len(self.calls))  # glue that only the output's region reaches
+        for call in reversed(self.calls[: first + 1]):
             key = edge_key(call.out_edge)
-            if joint is not None and key in outs and key != self.output_key:
-                smaller = joint(waiting.places())
-                if smaller is not None:
-                    waiting.replace(smaller)
+            held = joint is not None and key in outs and key != self.output_key
+            if held and joint(waiting, call) is STOP:
+                return
             value = outs.pop(key, None)
             back = None
             if value is not None:

@@ -186,8 +186,17 @@ def replaced(monkeypatch):
             seen.append((compress._shape(values[0])[0], out[0].shape[0]))
         return out
 
+    factor = compress.Cut.factor
+
+    def cut(self, dtype):  # chunked passes: their Gram's factor, swept below the cut
+        columns = factor(self, dtype)
+        if columns and (self.total, columns) not in seen:
+            seen.append((self.total, columns))
+        return columns
+
     monkeypatch.setattr(sweep, "compressed", spy)
     monkeypatch.setattr(sweep, "compressed_jointly", jointly)
+    monkeypatch.setattr(compress.Cut, "factor", cut)
     return seen
 
 
@@ -203,9 +212,12 @@ def test_fewer_columns_match_the_brute_force(name, n, chunking, replaced):
     if name == "two-heads":  # not at a head (the other's columns wait at h): below
         assert chunking != "onepass" or [b for b, _ in replaced] == [VOCAB]
     elif name in SEGMENTERS:  # below the resize: the small maps' directions
-        if chunking in ("onepass", "batch-chunks"):
-            kept = 3 * (64 + 16) if name.startswith("segmenter") else 3 * 64
-            assert replaced and all(after == kept for _, after in replaced), replaced
+        # in one pass at once (QR: as many as the directions); in chunks, the passes
+        # stop there and the Gram's factor goes on below (without the directions no
+        # column reaches: cross-entropy's per pixel, the high branch's beside the low)
+        kept = 3 * (64 + 16) if name.startswith("segmenter") else 3 * 64
+        assert replaced and all(after <= kept for _, after in replaced), replaced
+        assert chunking == "onepass" or any(before == 3 * 1024 for before, _ in replaced)
     elif chunking in ("onepass", "batch-chunks"):
         # whole tokens (or samples) per pass: min(40, 4) columns for each
         assert replaced and all(after * 2 <= before for before, after in replaced)
@@ -245,15 +257,22 @@ def test_kronecker_factors_with_fewer_columns(monkeypatch, replaced):
         assert torch.allclose(factor.output, every[name].output, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("chunks", [1, 3], ids=["onepass", "chunks3"])
 @pytest.mark.parametrize("windows", [True, False], ids=["windowed", "dense"])
-def test_segmenter_kronecker_factors_with_fewer_columns(windows, monkeypatch, replaced):
-    """Both classifiers' factors against the brute force, with and without windows."""
+def test_segmenter_kronecker_factors_with_fewer_columns(
+    windows, chunks, monkeypatch, replaced
+):
+    """Both classifiers' factors against the brute force, with and without windows.
+
+    In chunks, the passes stop below the resize and their Gram's factor goes on.
+    """
     from ggnchunk import _windows
 
     monkeypatch.setattr(_windows, "ENABLED", windows)
     model, loss_func, x, y = _segmenter(2)
-    fewer = ggnchunk.kron_ggn(model, loss_func, x, y)
-    assert replaced and all(after == 3 * 80 for _, after in replaced), replaced
+    fewer = ggnchunk.kron_ggn(model, loss_func, x, y, num_chunks=chunks)
+    assert replaced and all(after <= 3 * 80 for _, after in replaced), replaced
+    assert chunks == 1 or replaced == [(3 * 1024, 2 * 64)]  # CE: 2 per low pixel
     expected = reference_kron(model, loss_func, x, y)
     assert set(fewer) == set(expected)
     for name, (output, inputs) in expected.items():
@@ -261,10 +280,15 @@ def test_segmenter_kronecker_factors_with_fewer_columns(windows, monkeypatch, re
         assert torch.allclose(fewer[name].input, inputs, rtol=1e-10, atol=1e-14), name
 
 
-def test_torchvision_lraspp_replaces_its_columns_below_the_resize(replaced):
+@pytest.mark.parametrize(
+    "chunking", [{}, {"num_chunks": 5}, {"max_memory": "200MiB"}],
+    ids=["onepass", "chunks5", "budget"],
+)  # fmt: skip
+def test_torchvision_lraspp_replaces_its_columns_below_the_resize(chunking, replaced):
     """Torchvision's LRASPP, float64: the classifiers and the first convolution train.
 
-    The columns cross the whole frozen backbone to reach the first layer.
+    The columns cross the whole frozen backbone to reach the first layer (in chunks:
+    the Gram's factor of every pass's vectors below the resize, once).
     """
     torchvision = pytest.importorskip("torchvision")
 
@@ -287,11 +311,24 @@ def test_torchvision_lraspp_replaces_its_columns_below_the_resize(replaced):
     model = Out(net).double().eval()
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     y = torch.randint(0, 3, (2, 16, 16))
-    got = ggnchunk.diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    got, report = ggnchunk.diag_ggn(
+        model, nn.CrossEntropyLoss(), x, y, return_report=True, **chunking
+    )
     # both 1x1 classifiers run at 1/8 of the image (the high branch is resized first)
-    assert replaced and all(after == 3 * (4 + 4) for _, after in replaced), replaced
-    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    assert replaced and all(after <= 3 * (4 + 4) for _, after in replaced), replaced
+    if chunking:  # one schedule for the passes, one for the factor's columns below
+        assert len(report.schedules) == 2 and report.schedules[1].total <= 3 * 8
+    expected = _lraspp_expected(model, x, y)
     assert_diag_close(got, expected, rtol=1e-9, label="lraspp")
+
+
+_LRASPP: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _lraspp_expected(model, x, y):
+    if "out" not in _LRASPP:  # (the model and data are seeded: the same each time)
+        _LRASPP["out"] = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    return _LRASPP["out"]
 
 
 @pytest.mark.parametrize("name", ["lm", "segmenter"])

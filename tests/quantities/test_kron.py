@@ -306,7 +306,10 @@ def test_report_and_budget_error():
     model, loss_func, x, y = _problem("autoencoder", "mse_sum")
     factors, report = ggnchunk.kron_ggn(model, loss_func, x, y, num_chunks=4,
                                         return_report=True)  # fmt: skip
-    assert report.num_passes == 4 and report.num_columns == 16
+    assert len(report.schedules[0].chunks) == 4 and report.num_columns == 16
+    # the passes stop at the 4-wide bottleneck, and its Gram's factor goes on below
+    assert [s.total for s in report.schedules[1:]] == [4]
+    assert report.num_passes == 4 + len(report.schedules[1].chunks)
     assert set(factors) == {"0", "2"}
     with pytest.raises(ggnchunk.MemoryBudgetError):
         ggnchunk.kron_ggn(model, loss_func, x, y, max_memory=16)

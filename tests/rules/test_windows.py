@@ -917,8 +917,8 @@ def test_squares_per_sample_and_column_are_taken_on_the_boxes(
     bounds: list[int] = []  # the windowed bound per column
     column_bytes = MemoryBound.column_bytes
 
-    def bound_spy(self, element, windowed=False):
-        result = column_bytes(self, element, windowed)
+    def bound_spy(self, element, windowed=False, cut=None):
+        result = column_bytes(self, element, windowed, cut)
         if windowed:
             bounds.append(result)
         return result
@@ -941,6 +941,8 @@ def test_squares_per_sample_and_column_are_taken_on_the_boxes(
     assert not kept & boxed, "products kept for layers on boxes"
     assert report.windowed and report.num_passes > 1
     each_bound, bounds[:] = bounds[-1], []
+    # (every column to the inputs: the whole sweep's bound, not a cut's side of it)
+    monkeypatch.setattr(sweep, "COMPRESS", False)
     summed = ggnchunk.diag_ggn(model, loss_func, x, targets, **budget)
     if quantity == "per_sample":
         assert_diag_close({k: v.sum(0) for k, v in each.items()}, summed, rtol=1e-10)

@@ -153,7 +153,8 @@ def test_loss_grad_and_diag_ggn_returns_a_report():
 
 def test_reprs_are_short_summaries():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 300))
+    # (hidden wider than a quarter of the columns: the passes go on to the inputs)
+    model = nn.Sequential(nn.Linear(8, 100), nn.Tanh(), nn.Linear(100, 300))
     x, y = torch.randn(4, 8), torch.randn(4, 300)
     _, report = ggnchunk.diag_ggn(
         model, nn.MSELoss(), x, y, chunk_size=1, return_report=True
