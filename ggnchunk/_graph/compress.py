@@ -96,6 +96,10 @@ def compressed_jointly(
     a resize to the full image the columns (one per output pixel and class) span only
     the small map's directions, ``C·H·W`` of them per sample.
 
+    The new columns are the eigendecomposition's of that Gram (:func:`gram_factor`:
+    none for a direction no column reaches, such as cross-entropy's per pixel), or,
+    where the quantity carries per-column rows, the QR factor's (which maps them too).
+
     Args:
         values: The vectors at each place, ``[V, N, ...]`` tensors or windowed blocks
             of the same columns and samples.
@@ -117,13 +121,38 @@ def compressed_jointly(
     flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
     if not flat.is_floating_point():
         return None
-    whole = [torch.arange(v, device=flat.device)]
-    out = _blocks(flat.unsqueeze(2), whole, carried).squeeze(2)  # [V', N, D]
+    if carried:  # their images need the columns' QR factor Q
+        whole = [torch.arange(v, device=flat.device)]
+        out = _blocks(flat.unsqueeze(2), whole, carried).squeeze(2)  # [V', N, D]
+    else:  # the Gram's factor: one matrix product, and no direction no column reaches
+        wide = flat.double().permute(1, 2, 0)  # [N, D, V]
+        out = gram_factor(wide @ wide.transpose(1, 2), flat.dtype)
     parts = out.split(widths, dim=2)
     return [
         part.reshape(part.shape[0], n, *shape[2:])
         for part, shape in zip(parts, shapes, strict=True)
     ]
+
+
+def gram_factor(gram: Tensor, dtype: torch.dtype) -> Tensor:
+    """Columns whose per-sample Gram matrix is ``gram``: its eigendecomposition's.
+
+    Args:
+        gram: ``[N, D, D]``, symmetric positive semi-definite (float64).
+        dtype: The columns' dtype.
+
+    Returns:
+        ``[R, N, D]`` with ``sum_r out[r, n] out[r, n]^T == gram[n]`` (up to rounding),
+        ``R <= D``: directions whose eigenvalue is rounding (or zero) in every sample
+        add nothing and are dropped (``R`` is the largest count of the others).
+    """
+    values, vectors = torch.linalg.eigh(gram)  # ascending, [N, D], [N, D, D]
+    top = values[:, -1:].clamp(min=0)
+    tiny = values <= values.shape[1] * torch.finfo(values.dtype).eps * top
+    keep = max(1, int((~tiny).sum(dim=1).max()))
+    scale = values[:, -keep:].clamp(min=0).sqrt()  # [N, R]
+    factor = vectors[:, :, -keep:] * scale.unsqueeze(1)  # [N, D, R]
+    return factor.permute(2, 0, 1).to(dtype).contiguous()
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -291,16 +320,7 @@ class Cut:
         """
         if self.columns is None and self.gram is not None:
             gram, self.gram = self.gram, None
-            values, vectors = torch.linalg.eigh(gram)  # ascending, [N, D], [N, D, D]
-            del gram
-            # directions whose eigenvalue is rounding (or zero) in every sample add
-            # nothing: dropped
-            top = values[:, -1:].clamp(min=0)
-            tiny = values <= values.shape[1] * torch.finfo(values.dtype).eps * top
-            keep = max(1, int((~tiny).sum(dim=1).max()))
-            scale = values[:, -keep:].clamp(min=0).sqrt()  # [N, R]
-            factor = vectors[:, :, -keep:] * scale.unsqueeze(1)  # [N, D, R]
-            self.columns = factor.permute(2, 0, 1).to(dtype).contiguous()  # [R, N, D]
+            self.columns = gram_factor(gram, dtype)
         return 0 if self.columns is None else self.columns.shape[0]
 
     def waiting(self, start: int, stop: int, images: Any) -> Any:
