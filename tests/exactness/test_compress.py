@@ -378,3 +378,86 @@ def test_the_gram_matrix_is_kept():
     assert zero is not None and zero.shape[0] == 1 and not zero.any()
     vectors[0, :, (tokens[0] + 1) % T] = 1.0  # a column on two tokens
     assert compress.compressed(vectors) is None
+
+
+def test_the_joint_gram_is_kept_without_directions_no_column_reaches():
+    """Two places' vectors together: the same Gram, rank-deficient in one sample."""
+    torch.manual_seed(0)
+    v, n = 200, 3
+    first = torch.randn(v, n, 3, 4, dtype=torch.float64)
+    second = torch.randn(v, n, 2, dtype=torch.float64)
+    basis = torch.randn(5, 14, dtype=torch.float64)  # every column in 5 directions
+    both = torch.randn(v, n, 5, dtype=torch.float64) @ basis
+    first, second = both[..., :12].reshape(v, n, 3, 4), both[..., 12:]
+    second[:, 1] = 0  # sample 1: its second place is never reached
+    out = compress.compressed_jointly([first, second])
+    assert out is not None and out[0].shape[0] == 5 and out[1].shape[1:] == (n, 2)
+    for i in range(n):
+        a = torch.cat([first[:, i].reshape(v, -1), second[:, i]], dim=1)
+        b = torch.cat([out[0][:, i].reshape(5, -1), out[1][:, i]], dim=1)
+        assert torch.allclose(b.T @ b, a.T @ a, rtol=1e-12, atol=1e-10)
+    assert compress.compressed_jointly([first[:40], second[:40]]) is None  # 14 > 40/4
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_a_cut_adds_up_every_chunks_gram(chunks):
+    """The cut's factor after chunks of columns: the Gram of all of them, per sample."""
+    from ggnchunk._graph.parts import _Waiting
+    from ggnchunk._graph.traverse import STOP
+
+    torch.manual_seed(0)
+    v, n = 60, 2
+    outs = torch.randn(v, n, 3, dtype=torch.float64)
+    srcs = torch.randn(v, n, 2, 2, dtype=torch.float64)
+    cut = compress.Cut(v, room=None)
+
+    class Call:
+        index = 4
+
+    for part in torch.arange(v).chunk(chunks):
+        waiting = _Waiting()
+        waiting.outs["out"], waiting.srcs["src"] = outs[part], srcs[part]
+        assert cut.step(waiting, Call, len(part), {}) is STOP
+        cut.sweep_done()
+    assert cut.on and cut.index == 4 and cut.factor(torch.float64) == 7
+    below = cut.waiting(0, 7, None)
+    assert below.outs["out"].shape == (7, n, 3) and below.srcs["src"].shape == (7, n, 2, 2)
+    for i in range(n):
+        a = torch.cat([outs[:, i], srcs[:, i].reshape(v, -1)], dim=1)
+        b = torch.cat([below.outs["out"][:, i], below.srcs["src"][:, i].reshape(7, -1)], 1)
+        assert torch.allclose(b.T @ b, a.T @ a, rtol=1e-12, atol=1e-10)
+
+
+def test_a_cut_is_not_taken_where_rows_are_carried_or_the_gram_is_too_large():
+    from ggnchunk._graph.parts import _Waiting
+
+    class Call:
+        index = 2
+
+    waiting = _Waiting()
+    waiting.outs["out"] = torch.randn(40, 2, 3, dtype=torch.float64)
+    carried = compress.Cut(400, room=None)  # a tied table's rows travel past it
+    assert carried.step(waiting, Call, 40, {0: torch.zeros(40, 2)}) is None
+    assert carried.decided and not carried.on
+    small = compress.Cut(400, room=100)  # 3 * 8 * 2 * 3 * 3 bytes do not fit
+    assert small.step(waiting, Call, 40, {}) is None and not small.decided
+    few = compress.Cut(40, room=None)  # 3 directions against 40 columns: 3 > 40 / 4 no
+    waiting.outs["out"] = torch.randn(40, 2, 11, dtype=torch.float64)
+    assert few.step(waiting, Call, 40, {}) is None and not few.decided
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per-sample", "variance"])
+def test_chunked_per_sample_quantities_keep_every_column(per_sample, replaced):
+    model, loss_func, x, y = _segmenter(3, DeepLabLike)
+    if per_sample:  # (the table's brute force, summed)
+        got = ggnchunk.diag_ggn(model, loss_func, x, y, per_sample=True, num_chunks=3)
+        summed = {k: v.sum(0) for k, v in got.items()}
+        assert_diag_close(summed, _expected("deeplab-like", 3), 1e-10)
+    else:
+        variance = {
+            n: torch.rand_like(p) for n, p in model.named_parameters() if p.requires_grad
+        }
+        chunked = ggnchunk.output_variance(model, x, variance, num_chunks=3)
+        whole = ggnchunk.output_variance(model, x, variance)
+        assert torch.allclose(chunked, whole, rtol=1e-12, atol=1e-14)
+    assert not replaced
