@@ -96,9 +96,10 @@ def compressed_jointly(
     a resize to the full image the columns (one per output pixel and class) span only
     the small map's directions, ``C·H·W`` of them per sample.
 
-    The new columns are the eigendecomposition's of that Gram (:func:`gram_factor`:
-    none for a direction no column reaches, such as cross-entropy's per pixel), or,
-    where the quantity carries per-column rows, the QR factor's (which maps them too).
+    The new columns are the rows of the columns' QR factor ``R`` (``R^T R`` is the
+    Gram), rotated by its SVD and without the directions no column reaches (such as
+    cross-entropy's per pixel; :func:`trimmed`), or, where the quantity carries
+    per-column rows, ``R``'s own (``Q`` maps the rows too).
 
     Args:
         values: The vectors at each place, ``[V, N, ...]`` tensors or windowed blocks
@@ -124,9 +125,9 @@ def compressed_jointly(
     if carried:  # their images need the columns' QR factor Q
         whole = [torch.arange(v, device=flat.device)]
         out = _blocks(flat.unsqueeze(2), whole, carried).squeeze(2)  # [V', N, D]
-    else:  # the Gram's factor: one matrix product, and no direction no column reaches
-        wide = flat.double().permute(1, 2, 0)  # [N, D, V]
-        out = gram_factor(wide @ wide.transpose(1, 2), flat.dtype)
+    else:  # R, without the directions no column reaches
+        r = torch.linalg.qr(flat.double().transpose(0, 1), mode="r")[1]  # [N, k, D]
+        out = trimmed(r, flat.dtype)
     parts = out.split(widths, dim=2)
     return [
         part.reshape(part.shape[0], n, *shape[2:])
@@ -134,25 +135,28 @@ def compressed_jointly(
     ]
 
 
-def gram_factor(gram: Tensor, dtype: torch.dtype) -> Tensor:
-    """Columns whose per-sample Gram matrix is ``gram``: its eigendecomposition's.
+def trimmed(r: Tensor, dtype: torch.dtype) -> Tensor:
+    """Columns with the Gram matrix ``r^T r`` per sample, none in a direction it lacks.
+
+    The QR factor of the columns (not their Gram matrix) keeps directions whose
+    singular values span many orders of magnitude (outputs in different units): a
+    direction ``1e-8`` times the largest is lost in a float64 Gram's eigenvalues, not
+    in ``R``'s singular values. Those at most ``D * eps`` times the largest, in every
+    sample, add at most ``(D * eps)^2`` of the Gram there and are dropped.
 
     Args:
-        gram: ``[N, D, D]``, symmetric positive semi-definite (float64).
+        r: ``[N, k, D]`` (float64), the columns' R factor per sample.
         dtype: The columns' dtype.
 
     Returns:
-        ``[R, N, D]`` with ``sum_r out[r, n] out[r, n]^T == gram[n]`` (up to rounding),
-        ``R <= D``: directions whose eigenvalue is rounding (or zero) in every sample
-        add nothing and are dropped (``R`` is the largest count of the others).
+        ``[R, N, D]``, ``R <= min(k, D)``: the rows of ``S V^T`` (``r = U S V^T``).
     """
-    values, vectors = torch.linalg.eigh(gram)  # ascending, [N, D], [N, D, D]
-    top = values[:, -1:].clamp(min=0)
+    _, values, vh = torch.linalg.svd(r, full_matrices=False)  # descending
+    top = values[:, :1]
     tiny = values <= values.shape[1] * torch.finfo(values.dtype).eps * top
     keep = max(1, int((~tiny).sum(dim=1).max()))
-    scale = values[:, -keep:].clamp(min=0).sqrt()  # [N, R]
-    factor = vectors[:, :, -keep:] * scale.unsqueeze(1)  # [N, D, R]
-    return factor.permute(2, 0, 1).to(dtype).contiguous()
+    factor = values[:, :keep, None] * vh[:, :keep]  # [N, R, D]
+    return factor.transpose(0, 1).to(dtype).contiguous()
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -218,8 +222,11 @@ class Cut:
     first layer where the vectors at every place the sweep holds have at most
     :data:`WORTH` times as many entries per sample, together, as the columns that reach
     them over the call (the first sweep decides where; the later ones stop at the same
-    place) and add their Gram ``G_n = sum_v g_v g_v^T`` (``[N, D, D]``, float64). Then
-    the columns of a factor of it (``C_n C_n^T = G_n``, at most ``D`` per sample) are
+    place) and add their vectors to the Gram ``G_n = sum_v g_v g_v^T``, kept as its QR
+    factor ``R_n`` (``[N, D, D]``, float64, ``R_n^T R_n = G_n``: the factor of the
+    earlier passes' ``R`` stacked on this pass's vectors, which keeps directions whose
+    scales differ by more than float64's square root, as a Gram matrix would not).
+    Then the columns of a factor of it (at most ``D`` per sample, :func:`trimmed`) are
     swept from there to the inputs (phase two, in chunks of their own). Exact: the
     parts above the cut see every column once, the parts below see columns with the
     same Gram.
@@ -240,7 +247,7 @@ class Cut:
         self.index: int | None = None  # the call before which the sweeps stop
         # (at layer outputs, key, shape after [V, N]) per place, in the places' order
         self.layout: list[tuple[bool, Any, tuple[int, ...]]] = []
-        self.gram: Tensor | None = None
+        self.r: Tensor | None = None  # [N, k, D]: R^T R is the Gram so far
         self.columns: Tensor | None = None  # [R, N, D] after :meth:`factor`
 
     @property
@@ -301,15 +308,13 @@ class Cut:
 
     def _gather(self, values: list[Any], v: int, n: int) -> None:
         flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
-        flat = flat.double().permute(1, 2, 0)  # [N, D, V]
-        gram = flat @ flat.transpose(1, 2)
-        if self.gram is None:
-            self.gram = gram
-        else:
-            self.gram += gram
+        rows = flat.double().transpose(0, 1)  # [N, V, D]
+        if self.r is not None:  # the earlier passes' R on top: R of all of them
+            rows = torch.cat([self.r, rows], dim=1)
+        self.r = torch.linalg.qr(rows, mode="r")[1]
 
     def factor(self, dtype: torch.dtype) -> int:
-        """Factor the Gram (once; it is freed): the number of phase-two columns.
+        """Factor the Gram (once; ``R`` is freed): the number of phase-two columns.
 
         Args:
             dtype: The computation's dtype.
@@ -318,9 +323,9 @@ class Cut:
             ``R``: columns per sample of a factor ``C_n`` (``C_n C_n^T = G_n``); 0
             where no sweep stopped.
         """
-        if self.columns is None and self.gram is not None:
-            gram, self.gram = self.gram, None
-            self.columns = gram_factor(gram, dtype)
+        if self.columns is None and self.r is not None:
+            r, self.r = self.r, None
+            self.columns = trimmed(r, dtype)
         return 0 if self.columns is None else self.columns.shape[0]
 
     def waiting(self, start: int, stop: int, images: Any) -> Any:

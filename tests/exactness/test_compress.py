@@ -461,3 +461,54 @@ def test_chunked_per_sample_quantities_keep_every_column(per_sample, replaced):
         whole = ggnchunk.output_variance(model, x, variance)
         assert torch.allclose(chunked, whole, rtol=1e-12, atol=1e-14)
     assert not replaced
+
+
+class TwoUnits(nn.Module):
+    """Two one-unit branches whose outputs differ in scale by ``scale`` (found by a helper).
+
+    Below the frozen decoder the columns' directions differ by ``scale``: a Gram
+    matrix's eigendecomposition lost the small one past ``1e8`` (``b``'s diagonal came
+    out 0), the QR factor keeps it.
+    """
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.a, self.b, self.dec = nn.Linear(4, 1), nn.Linear(4, 1), nn.Linear(2, 20)
+        with torch.no_grad():
+            w = torch.randn(20, 2)
+            w[:10, 1], w[10:, 0] = 0, 0
+            w[:, 0] *= scale
+            self.dec.weight.copy_(w)
+        self.dec.requires_grad_(False)
+
+    def forward(self, x):
+        return self.dec(torch.cat([self.a(x), self.b(x)], 1))
+
+
+@pytest.mark.parametrize("chunking", [{}, {"num_chunks": 3}, {"chunk_size": 1}])
+@pytest.mark.parametrize("scale", [1.0, 1e8, 1e12])
+def test_directions_of_very_different_scales_are_kept(scale, chunking, replaced):
+    torch.manual_seed(0)
+    model = TwoUnits(scale).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = torch.randn(3, 20, dtype=torch.float64)
+    got = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **chunking)
+    assert replaced  # (at the cut, or by the one pass)
+    expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
+    for name in expected:  # each parameter on its own scale
+        assert_diag_close({name: got[name]}, {name: expected[name]}, 1e-10, label=name)
+
+
+def test_the_joint_factor_keeps_a_direction_1e10_times_smaller():
+    torch.manual_seed(0)
+    v, n = 64, 2
+    big = torch.randn(v, n, 3, dtype=torch.float64)
+    small = 1e-10 * torch.randn(v, n, 2, dtype=torch.float64)
+    out = compress.compressed_jointly([big, small])
+    assert out is not None and out[0].shape[0] == 5
+    for i in range(n):
+        a = torch.cat([big[:, i], small[:, i]], dim=1)
+        b = torch.cat([out[0][:, i], out[1][:, i]], dim=1)
+        gram, kept = a.T @ a, b.T @ b
+        assert torch.allclose(kept[3:, 3:], gram[3:, 3:], rtol=1e-10, atol=0)
+        assert torch.allclose(kept, gram, rtol=1e-12, atol=1e-14)
