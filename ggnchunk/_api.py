@@ -42,6 +42,7 @@ from ggnchunk._rules import ConvRule, FoldedRule
 from ggnchunk._rules.folded import _FOLDED
 from ggnchunk._scheduling import (
     ChunkScheduler,
+    MemoryBudgetError,
     ScheduleReport,
     check_chunking,
     passes_within,
@@ -584,6 +585,10 @@ def _below_cut(
     """
     budget = schedule.budget_bytes if tracker is not None else None
     if budget is not None:
+        # the level the plan starts from, without the heap the passes freed (a call
+        # whose 768 one-column passes had kept 1.2 MiB more resident than in use was
+        # refused below the cut at 8.8 MiB where every column to the inputs fits)
+        getattr(tracker, "settled", tracker.current)()
         scheduler = ChunkScheduler(
             max_memory=budget, device=device, recover_oom=options.recover_oom,
             what="columns", tracker=tracker,
@@ -599,7 +604,16 @@ def _below_cut(
         if bar is not None:
             bar.update(1)
 
-    return scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[1]
+    try:
+        return scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[1]
+    except MemoryBudgetError:  # raised before any pass below the cut
+        # the call's first plan found room for one column from the output to the
+        # inputs, which holds more than one column below the cut: never refused after
+        # the passes' work (the plan's level can be higher now by what the heap kept)
+        fallback = ChunkScheduler(
+            chunk_size=1, device=device, recover_oom=options.recover_oom, what="columns"
+        )
+        return fallback.run(columns, below)[1]
 
 
 def _progress_bar(show: bool) -> Any:

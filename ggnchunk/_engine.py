@@ -876,7 +876,9 @@ class GGNComputation:
         """
         element = self._output.element_size()
         below = self._cut_place("below")
-        return self.fixed_bytes(), self._recording.column_bytes(element, cut=below)
+        # dense passes: no windowed fields travel (their kept images are in use)
+        fixed = self.quantity.fixed_bytes(self._recording, element)
+        return fixed, self._recording.column_bytes(element, cut=below)
 
     def _cut_place(self, side: str) -> tuple[str, int] | None:
         cut = self._cut

@@ -306,7 +306,10 @@ class Cut:
         """A phase-one sweep ended: where the first did not stop, none does."""
         self.decided = True
 
+    @torch.no_grad()
     def _gather(self, values: list[Any], v: int, n: int) -> None:
+        # (no graph: vectors a rule made from a trainable weight carry one, and each
+        # pass's R would keep the earlier ones' alive through it)
         flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
         rows = flat.double().transpose(0, 1)  # [N, V, D]
         if self.r is not None:  # the earlier passes' R on top: R of all of them
@@ -325,7 +328,8 @@ class Cut:
         """
         if self.columns is None and self.r is not None:
             r, self.r = self.r, None
-            self.columns = trimmed(r, dtype)
+            with torch.no_grad():
+                self.columns = trimmed(r, dtype)
         return 0 if self.columns is None else self.columns.shape[0]
 
     def waiting(self, start: int, stop: int, images: Any) -> Any:

@@ -407,7 +407,9 @@ def test_a_cut_adds_up_every_chunks_gram(chunks):
 
     torch.manual_seed(0)
     v, n = 60, 2
-    outs = torch.randn(v, n, 3, dtype=torch.float64)
+    # (vectors a rule made from a trainable weight carry a graph: none is kept, or
+    # each pass's R would keep every earlier one alive, 216 KiB a pass on a U-Net)
+    outs = torch.randn(v, n, 3, dtype=torch.float64, requires_grad=True)
     srcs = torch.randn(v, n, 2, 2, dtype=torch.float64)
     cut = compress.Cut(v, room=None)
 
@@ -418,7 +420,9 @@ def test_a_cut_adds_up_every_chunks_gram(chunks):
         waiting = _Waiting()
         waiting.outs["out"], waiting.srcs["src"] = outs[part], srcs[part]
         assert cut.step(waiting, Call, len(part), {}) is STOP
+        assert cut.r.grad_fn is None
         cut.sweep_done()
+    outs = outs.detach()
     assert cut.on and cut.index == 4 and cut.factor(torch.float64) == 7
     below = cut.waiting(0, 7, None)
     assert below.outs["out"].shape == (7, n, 3) and below.srcs["src"].shape == (7, n, 2, 2)
@@ -512,3 +516,24 @@ def test_the_joint_factor_keeps_a_direction_1e10_times_smaller():
         gram, kept = a.T @ a, b.T @ b
         assert torch.allclose(kept[3:, 3:], gram[3:, 3:], rtol=1e-10, atol=0)
         assert torch.allclose(kept, gram, rtol=1e-12, atol=1e-14)
+
+
+def test_passes_below_a_cut_are_never_refused_after_the_passes_above(monkeypatch):
+    """The call's first plan vouched for one column to the inputs: run one at a time.
+
+    A budget a helper found refused below the cut (after 768 passes above it) where
+    every column to the inputs fits: the plan's level had grown by what the heap kept.
+    """
+    from ggnchunk import _engine
+
+    def too_large(self):  # as if the level had grown past the budget
+        return 2**40, 1
+
+    monkeypatch.setattr(_engine.GGNComputation, "below_cut_bytes", too_large)
+    model, loss_func, x, y = _segmenter(1, DeepLabLike)
+    got, report = ggnchunk.diag_ggn(
+        model, loss_func, x, y, max_memory="256MiB", return_report=True
+    )
+    assert len(report.schedules) == 2 and report.schedules[1].mode == "fixed"
+    assert report.schedules[1].chunk_size == 1
+    assert_diag_close(got, _expected("deeplab-like", 1), rtol=1e-10)
