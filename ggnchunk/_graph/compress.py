@@ -110,12 +110,10 @@ def compressed_jointly(
         The new vectors per place (``[V', N, ...]`` each, ``V' <= WORTH * V``, dense),
         or ``None`` where they are not enough fewer.
     """
-    shapes = [_shape(value) for value in values]
-    if not shapes or any(shape is None for shape in shapes):
+    shapes = _shapes(values)
+    if shapes is None:
         return None
     v, n = shapes[0][:2]
-    if any(shape[:2] != (v, n) for shape in shapes):
-        return None
     widths = [math.prod(shape[2:]) for shape in shapes]
     if sum(widths) > WORTH * v:
         return None
@@ -157,6 +155,16 @@ def trimmed(r: Tensor, dtype: torch.dtype) -> Tensor:
     keep = max(1, int((~tiny).sum(dim=1).max()))
     factor = values[:, :keep, None] * vh[:, :keep]  # [N, R, D]
     return factor.transpose(0, 1).to(dtype).contiguous()
+
+
+def _shapes(values: list[Any]) -> list[tuple[int, ...]] | None:
+    """Every place's dense shape, where all hold vectors of the same columns and samples."""
+    shapes = [_shape(value) for value in values]
+    if not shapes or any(shape is None for shape in shapes):
+        return None
+    if any(shape[:2] != shapes[0][:2] for shape in shapes):
+        return None
+    return shapes
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -272,12 +280,10 @@ class Cut:
         if self.decided and self.index != call.index:
             return None
         values = waiting.places()
-        shapes = [_shape(value) for value in values]
-        if not shapes or any(shape is None for shape in shapes):
+        shapes = _shapes(values)
+        if shapes is None:
             return None
         v, n = shapes[0][:2]
-        if any(shape[:2] != (v, n) for shape in shapes):
-            return None
         places = [(True, key) for key in waiting.outs]
         places += [(False, key) for key in waiting.srcs]
         layout = [(o, k, s[2:]) for (o, k), s in zip(places, shapes, strict=True)]
