@@ -581,7 +581,10 @@ class GGNComputation:
                 call.ctx.columns = self._columns
         # the quantity's accumulators are allocated before the first sweep (measured
         # with the forward pass) and the sweeps add to them in place
-        fixed = self.quantity.fixed_bytes(self._recording, element)
+        # where the passes stop at a cut (known after the first): the caches above it
+        fixed = self.quantity.fixed_bytes(
+            self._recording, element, self._cut_place("above")
+        )
         if self._windowed(self._require_sqrt()) and self._windows.choice is not False:
             # a windowed pass carries fields (GroupNorm's), dense maps per sample that
             # travel like extra columns; their images are kept for the later passes
@@ -877,7 +880,7 @@ class GGNComputation:
         element = self._output.element_size()
         below = self._cut_place("below")
         # dense passes: no windowed fields travel (their kept images are in use)
-        fixed = self.quantity.fixed_bytes(self._recording, element)
+        fixed = self.quantity.fixed_bytes(self._recording, element, below)
         return fixed, self._recording.column_bytes(element, cut=below)
 
     def _cut_place(self, side: str) -> tuple[str, int] | None:

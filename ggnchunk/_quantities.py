@@ -211,17 +211,20 @@ class Quantity:
             recording: The planned recording.
         """
 
-    def fixed_bytes(self, recording: Recording, element: int) -> int:
+    def fixed_bytes(
+        self, recording: Recording, element: int, cut: tuple[str, int] | None = None
+    ) -> int:
         """Bytes the sweeps keep whatever the chunk size (rule caches by default).
 
         Args:
             recording: The planned recording.
             element: Bytes per element.
+            cut: The sweeps' side of a cut (:meth:`Recording.column_bytes`), or ``None``.
 
         Returns:
             An upper bound.
         """
-        return recording.fixed_bytes(element)
+        return recording.fixed_bytes(element, cut)
 
     # -- one sweep --------------------------------------------------------------------
     def begin(self, sqrt: SqrtHessianFactor, start: int, stop: int) -> None:
@@ -894,7 +897,9 @@ class KroneckerFactors(Quantity):
                 into = self._into.pop(call.name, None)
                 inputs[call.name] = call.rule.input_factor(call.ctx, into)
 
-    def fixed_bytes(self, recording: Recording, element: int) -> int:
+    def fixed_bytes(
+        self, recording: Recording, element: int, cut: tuple[str, int] | None = None
+    ) -> int:
         # no rule caches (patches dropped after the input factors); the totals are
         # allocated with the forward pass, each chunk's own on top
         return sum(f.numel() for f in self.result[0].values()) * element

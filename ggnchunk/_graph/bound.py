@@ -251,7 +251,7 @@ class MemoryBound(Traversal):
                 return MAPS_MARGIN
         return 1.0
 
-    def fixed_bytes(self, element: int) -> int:
+    def fixed_bytes(self, element: int, cut: tuple[str, int] | None = None) -> int:
         """Bytes the rules will keep for the whole forward pass, beyond what they hold now.
 
         Caches already built (by the forward pass or an earlier sweep) are in the memory
@@ -260,18 +260,26 @@ class MemoryBound(Traversal):
 
         Args:
             element: Bytes per element.
+            cut: As in :meth:`column_bytes`: ``("above", index)`` counts only the calls
+                the sweeps reach before they stop (after call ``index``; the caches
+                below are built by the sweeps from the cut, planned then),
+                ``("below", index)`` only the calls from there to the inputs.
 
         Returns:
             An upper bound.
         """
+        calls = self.calls
+        if cut is not None:
+            side, index = cut
+            calls = [c for c in calls if (c.index > index) == (side == "above")]
         kept = sum(
             max(
                 0,
                 _rule_bytes(call, element)[1] - call.ctx.caches.held_bytes(call.ctx.inputs),
             )
-            for call in self.calls
+            for call in calls
         )
-        transient = max((_rule_bytes(call, element)[2] for call in self.calls), default=0)
+        transient = max((_rule_bytes(call, element)[2] for call in calls), default=0)
         return kept + transient
 
     def field_image_bytes(self, element: int) -> int:

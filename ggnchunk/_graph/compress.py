@@ -217,7 +217,7 @@ def _blocks(
 
 
 class Cut:
-    """Where a call's chunked sweeps stop, and the Gram of every chunk's vectors there.
+    """Where a call's chunked sweeps stop, and the factor of every chunk's Gram there.
 
     A segmenter's columns (one per output pixel and class) span only its small maps'
     directions below the final resize, but a chunk of them has too few columns for
@@ -273,7 +273,8 @@ class Cut:
             carried: The quantity's per-column tensors (see :func:`compressed`).
 
         Returns:
-            :data:`~.traverse.STOP` where the sweep ends (its Gram added), else ``None``.
+            :data:`~.traverse.STOP` where the sweep ends (its vectors added to the
+            factor ``R``), else ``None``.
         """
         from ggnchunk._graph.traverse import STOP
 

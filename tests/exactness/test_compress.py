@@ -537,3 +537,35 @@ def test_passes_below_a_cut_are_never_refused_after_the_passes_above(monkeypatch
     assert len(report.schedules) == 2 and report.schedules[1].mode == "fixed"
     assert report.schedules[1].chunk_size == 1
     assert_diag_close(got, _expected("deeplab-like", 1), rtol=1e-10)
+
+
+def test_passes_above_a_cut_plan_without_the_caches_below_it(monkeypatch):
+    """The caches of the layers below the cut are built by the passes from there.
+
+    Torchvision's partly frozen LRASPP at 512 MiB counted 127.5 MiB of caches below its
+    cut in every pass above it, where none is built: 22 passes where 16 fit.
+    """
+    from ggnchunk._graph import bound
+
+    asked: list[tuple[tuple[str, int] | None, int]] = []
+    fixed = bound.MemoryBound.fixed_bytes
+
+    def spy(self, element, cut=None):
+        value = fixed(self, element, cut)
+        asked.append((cut, value))
+        return value
+
+    monkeypatch.setattr(bound.MemoryBound, "fixed_bytes", spy)
+    model, loss_func, x, y = _segmenter(2, DeepLabLike)
+    model.head.requires_grad_(False)  # the cut's place: caches below it only
+    got, report = ggnchunk.diag_ggn(
+        model, loss_func, x, y, max_memory="64MiB", return_report=True
+    )
+    assert len(report.schedules) == 2, report.schedules  # the passes stopped at a cut
+    sides = {cut[0] for cut, _ in asked if cut is not None}
+    assert sides == {"above", "below"}, asked
+    whole = max(value for cut, value in asked if cut is None)
+    above = [value for cut, value in asked if cut is not None and cut[0] == "above"]
+    assert whole > 0 and max(above) < whole, asked  # the body's caches: below only
+    expected = reference_diag_ggn(model, loss_func, x, y)
+    assert_diag_close(got, expected, rtol=1e-10)
