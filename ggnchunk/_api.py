@@ -63,7 +63,8 @@ class GGNReport:
         schedules: One :class:`~ggnchunk.ScheduleReport` per sample range, two where
             the passes stopped where the columns span few directions (a segmenter's
             classifiers below its resize) and the second swept their Gram's factor
-            from there (docs: how it works).
+            from there (its ``factor`` set; docs: budgets, "Passes that stop at a
+            cut").
         lean: Whether a tight ``max_memory`` made the passes lean: convolutions'
             patches unfolded one sample at a time in every pass instead of kept for the
             forward pass (less memory, more time).
@@ -96,8 +97,13 @@ class GGNReport:
 
     @property
     def chunk_size(self) -> int:
-        """Largest number of columns in one backward pass."""
-        return max(max(c.stop - c.start for c in s.chunks) for s in self.schedules)
+        """Largest number of the square root's columns in one backward pass.
+
+        The passes below a cut, over its Gram factor's columns, are not counted
+        (their schedules have ``factor`` set).
+        """
+        schedules = [s for s in self.schedules if not s.factor] or self.schedules
+        return max(max(c.stop - c.start for c in s.chunks) for s in schedules)
 
     @property
     def num_passes(self) -> int:
@@ -591,12 +597,12 @@ def _below_cut(
         getattr(tracker, "settled", tracker.current)()
         scheduler = ChunkScheduler(
             max_memory=budget, device=device, recover_oom=options.recover_oom,
-            what="columns", tracker=tracker,
+            what="factor columns", tracker=tracker,
         )  # fmt: skip
     else:
         scheduler = ChunkScheduler(
             chunk_size=min(columns, run.dense_part(schedule.chunk_size)),
-            device=device, recover_oom=options.recover_oom, what="columns",
+            device=device, recover_oom=options.recover_oom, what="factor columns",
         )  # fmt: skip
 
     def below(a: int, b: int) -> None:
@@ -605,15 +611,20 @@ def _below_cut(
             bar.update(1)
 
     try:
-        return scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[1]
+        report = scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[
+            1
+        ]
     except MemoryBudgetError:  # raised before any pass below the cut
         # the call's first plan found room for one column from the output to the
         # inputs, which holds more than one column below the cut: never refused after
         # the passes' work (the plan's level can be higher now by what the heap kept)
         fallback = ChunkScheduler(
-            chunk_size=1, device=device, recover_oom=options.recover_oom, what="columns"
-        )
-        return fallback.run(columns, below)[1]
+            chunk_size=1, device=device, recover_oom=options.recover_oom,
+            what="factor columns",
+        )  # fmt: skip
+        report = fallback.run(columns, below)[1]
+    report.factor = True
+    return report
 
 
 def _progress_bar(show: bool) -> Any:
@@ -723,7 +734,8 @@ def _compute(
                     _dense_after_first_pass(run, budget, level, total, problem.device)
                 return run.fixed_bytes(), run.column_bytes()
 
-            run.expect(last - first, None if budget is None else (budget - level) // 8)
+            # the factor at a cut: half the room at most (the plan counts it as fixed)
+            run.expect(last - first, None if budget is None else (budget - level) // 2)
             _, schedule = scheduler.run(
                 last - first, backward, baseline=baseline, cost=bound
             )

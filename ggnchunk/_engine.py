@@ -38,7 +38,7 @@ from ggnchunk._checks import Batch
 from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording
 from ggnchunk._graph.compress import Cut
-from ggnchunk._memory import synchronize
+from ggnchunk._memory import free_memory, synchronize
 from ggnchunk._quantities import Gradient, Quantity, Sampling
 from ggnchunk._rules import LayerRule, rule_for
 from ggnchunk._scheduling import is_out_of_memory
@@ -581,10 +581,13 @@ class GGNComputation:
                 call.ctx.columns = self._columns
         # the quantity's accumulators are allocated before the first sweep (measured
         # with the forward pass) and the sweeps add to them in place
-        # where the passes stop at a cut (known after the first): the caches above it
+        # where the passes stop at a cut (known after the first): the caches above it,
+        # and the Gram's factor there
         fixed = self.quantity.fixed_bytes(
             self._recording, element, self._cut_place("above")
         )
+        if self._cut is not None:
+            fixed += self._cut.reserve_bytes()
         if self._windowed(self._require_sqrt()) and self._windows.choice is not False:
             # a windowed pass carries fields (GroupNorm's), dense maps per sample that
             # travel like extra columns; their images are kept for the later passes
@@ -704,7 +707,9 @@ class GGNComputation:
             total, room = self._expected
             self._expected = None
             if stop - start < total and self.quantity.gram_only:
-                self._cut = Cut(total, room)
+                if room is None:  # no budget: the factor within what the device has
+                    room = free_memory(self._output.device) // 4
+                self._cut = Cut(total, room, self._recording.column_macs)
         choice = self._windows
         if not self._windowed(sqrt) or choice.choice is False:
             self._dense(sqrt, start, stop)
@@ -830,11 +835,15 @@ class GGNComputation:
             else:
                 seed = sqrt.columns(start, stop)
             self._recording.sweep(seed, self.quantity, cut=self._cut)
-            if windowed:  # the fields' images the later passes reuse are all kept
-                self._recording.images.freeze()
         except BaseException:
             self.quantity.abort()
+            if self._cut is not None:  # its rows at the cut: added by the retried parts
+                self._cut.discard()
             raise
+        if self._cut is not None:
+            self._cut.commit()
+        if windowed:  # the fields' images the later passes reuse are all kept
+            self._recording.images.freeze()
 
     windowed_passes = 0
     """Backward passes that carried their columns on boxes."""
@@ -853,7 +862,8 @@ class GGNComputation:
 
         Args:
             total: Columns the call's passes cover.
-            room: Bytes the Gram may take (a budget's room; ``None``: no limit).
+            room: Bytes the Gram's factor may take with its folds (a budget's room;
+                ``None``: a quarter of the memory the device has free).
         """
         self._expected = (total, room)
 

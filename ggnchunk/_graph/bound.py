@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from ggnchunk._autograd import (
     GradientEdge,
@@ -173,8 +173,14 @@ class MemoryBound(Traversal):
             nonlocal worst
             if cut is None or call.index != cut[1]:
                 return None
-            if cut[0] == "above":  # the Gram's operands: joined, in float64
-                settle(3 * held.total())
+            if cut[0] == "above":  # the rows of the factor: dense, joined, in float64
+                # (the dense copies and their join, then the float64 rows, their
+                # concatenation with the waiting ones and the QR's copy: 6 elements of
+                # float32 per element; the factor's own tensors are fixed bytes)
+                dense = sum(
+                    self.calls[self._out_keys[key]].out_numel for key in held.outs
+                ) + sum(self._sources[key].numel for key in held.srcs)
+                settle(6 * dense)
                 return STOP
             worst = 0  # below: what the sweeps from here hold
             settle(0)
@@ -187,6 +193,37 @@ class MemoryBound(Traversal):
         squared = {i for c in self.calls if c.index in boxed for i, _ in c.params}
         shared_total = sum(self._params[i].numel() for i in self.shared if i not in squared)
         return int(self.size_margin() * (worst + shared_total + carried) * n * element)
+
+    def column_macs(self, index: int) -> int:
+        """Multiply-adds per dense column and sample from before call ``index`` down.
+
+        Counted from the layers' shapes (a convolution's or a linear layer's vectors'
+        backprop: each output element times its inputs; one per output element for
+        any other layer; twice where the layer has trainable parameters, for their
+        products); the glue between them is left out (the count is a lower bound).
+        :class:`.compress.Cut` weighs its factor's cost against it.
+
+        Args:
+            index: The call before which a sweep would stop.
+
+        Returns:
+            Multiply-adds.
+        """
+        total = 0
+        for call in self.calls[: index + 1]:
+            module, work = call.ctx.module, call.out_numel
+            if isinstance(module, nn.Linear):
+                work *= module.in_features
+            elif isinstance(module, nn.modules.conv._ConvNd):
+                kernel = math.prod(module.kernel_size)
+                if module.transposed:  # each input element reaches C_out / g * k
+                    x = call.ctx.x
+                    inputs = x[0].numel() if isinstance(x, Tensor) else call.out_numel
+                    work = inputs * (module.out_channels // module.groups) * kernel
+                else:
+                    work *= module.in_channels // module.groups * kernel
+            total += 2 * work if call.params else work
+        return total
 
     def alignment_margin(self) -> int:
         """The factor on the windowed sweeps' sizes for columns placed elsewhere.

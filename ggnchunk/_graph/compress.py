@@ -25,6 +25,7 @@ f((Q^T A)_w) = sum_v B_v f((Q Q^T A)_v)`` and ``Q Q^T A = A``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,22 @@ from ggnchunk._windows import Windowed, dense
 # autoencoder's 784 columns replaced by 256 below its head took its call from 0.22 s to
 # 0.47 s, 1 thread; a vocabulary's 1,000 columns per token by 64 took 44 s to 16 s)
 WORTH = 0.25
+
+# what a cut's Gram factor may hold at once, in ``[N, D, D]`` float64 tensors: ``R``,
+# fewer than ``D`` rows waiting, their concatenation and its QR's copy (two each), and
+# the new ``R`` (:meth:`Cut.reserve_bytes`)
+FACTOR_COPIES = 7
+
+# a cut is taken where a column's sweep below it costs at least this many times ``D^2``
+# multiply-adds per sample, ``D`` the entries per sample at the cut: the factor's folds
+# cost 2-4 ``D^2`` float64 flops per column and sample (a QR of ``D + V`` rows per pass
+# of ``V >= D`` columns, of ``2D`` rows per ``D`` rows added otherwise). Measured at 1
+# thread: a segmenter-like model with two small convolutions below the cut (counted
+# from shapes, :meth:`~.bound.MemoryBound.column_macs`) gained 1.9x at 2.75 ``D^2``
+# (32x32 images, ``num_chunks=3``) and lost 3.6x at 0.69 ``D^2`` (64x64, 256 MiB:
+# 5.8 s against 1.6 s); LRASPP's backbone costs 219 ``D^2``, an MLP autoencoder's
+# encoder below its 32-wide bottleneck 408 ``D^2``
+FOLD_COST = 1.0
 
 
 def compressed(vectors: Tensor, carried: dict[int, Tensor] | None = None) -> Tensor | None:
@@ -139,21 +156,27 @@ def trimmed(r: Tensor, dtype: torch.dtype) -> Tensor:
     The QR factor of the columns (not their Gram matrix) keeps directions whose
     singular values span many orders of magnitude (outputs in different units): a
     direction ``1e-8`` times the largest is lost in a float64 Gram's eigenvalues, not
-    in ``R``'s singular values. Those at most ``D * eps`` times the largest, in every
-    sample, add at most ``(D * eps)^2`` of the Gram there and are dropped.
+    in ``R``'s singular values. Each of ``R``'s columns is scaled to norm 1 before its
+    SVD (Householder QR is accurate column by column, so a coordinate ``1e17`` times
+    smaller than another keeps its directions there); singular values at most
+    ``D * eps`` times the largest, in every sample, add at most ``(D * eps)^2`` of the
+    scaled Gram and are dropped.
 
     Args:
         r: ``[N, k, D]`` (float64), the columns' R factor per sample.
         dtype: The columns' dtype.
 
     Returns:
-        ``[R, N, D]``, ``R <= min(k, D)``: the rows of ``S V^T`` (``r = U S V^T``).
+        ``[R, N, D]``, ``R <= min(k, D)``: the rows of ``S V^T diag(c)``
+        (``r diag(c)^-1 = U S V^T``, ``c`` the norms of ``r``'s columns).
     """
-    _, values, vh = torch.linalg.svd(r, full_matrices=False)  # descending
+    norms = torch.linalg.vector_norm(r, dim=1, keepdim=True)  # [N, 1, D]
+    norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+    _, values, vh = torch.linalg.svd(r / norms, full_matrices=False)  # descending
     top = values[:, :1]
     tiny = values <= values.shape[1] * torch.finfo(values.dtype).eps * top
     keep = max(1, int((~tiny).sum(dim=1).max()))
-    factor = values[:, :keep, None] * vh[:, :keep]  # [N, R, D]
+    factor = values[:, :keep, None] * vh[:, :keep] * norms  # [N, R, D]
     return factor.transpose(0, 1).to(dtype).contiguous()
 
 
@@ -232,8 +255,10 @@ class Cut:
     them over the call (the first sweep decides where; the later ones stop at the same
     place) and add their vectors to the Gram ``G_n = sum_v g_v g_v^T``, kept as its QR
     factor ``R_n`` (``[N, D, D]``, float64, ``R_n^T R_n = G_n``: the factor of the
-    earlier passes' ``R`` stacked on this pass's vectors, which keeps directions whose
-    scales differ by more than float64's square root, as a Gram matrix would not).
+    earlier ``R`` stacked on the rows added since, once there are ``D`` of them, which
+    keeps directions whose scales differ by more than float64's square root, as a Gram
+    matrix would not). A sweep's rows count once it has finished (:meth:`commit`): one
+    that fails is retried in parts, which add them.
     Then the columns of a factor of it (at most ``D`` per sample, :func:`trimmed`) are
     swept from there to the inputs (phase two, in chunks of their own). Exact: the
     parts above the cut see every column once, the parts below see columns with the
@@ -244,19 +269,29 @@ class Cut:
 
     Args:
         total: Columns the call's chunks cover.
-        room: Bytes the Gram and its factoring may take (``None``: no limit); a place
-            whose Gram needs more is not a cut.
+        room: Bytes the factor may take with its folds (:meth:`reserve_bytes`;
+            ``None``: no limit); a place whose factor needs more is not a cut.
+        macs: ``macs(index)``: multiply-adds per column and sample of a sweep from
+            before call ``index`` to the inputs (``None``: not weighed); a place whose
+            factor's folds cost more (:data:`FOLD_COST`) is not a cut.
     """
 
-    def __init__(self, total: int, room: int | None) -> None:
+    def __init__(
+        self, total: int, room: int | None, macs: Callable[[int], int] | None = None
+    ) -> None:
         self.total = total
         self.room = room
+        self.macs = macs
         self.decided = False
         self.index: int | None = None  # the call before which the sweeps stop
         # (at layer outputs, key, shape after [V, N]) per place, in the places' order
         self.layout: list[tuple[bool, Any, tuple[int, ...]]] = []
-        self.r: Tensor | None = None  # [N, k, D]: R^T R is the Gram so far
+        self.r: Tensor | None = None  # [N, k, D]: R^T R is the Gram of rows folded
+        self.pending: list[Tensor] = []  # [N, V, D]: committed rows not folded yet
+        self.fresh: Tensor | None = None  # the current sweep's rows (not committed)
+        self.folded: Tensor | None = None  # or R with them folded in (not committed)
         self.columns: Tensor | None = None  # [R, N, D] after :meth:`factor`
+        self.samples = 0
 
     @property
     def on(self) -> bool:
@@ -303,10 +338,13 @@ class Cut:
         if carried:  # a tied table's rows: not in the Gram
             self.decided = True
             return None
-        if self.room is not None and 3 * 8 * n * width * width > self.room:
+        if self.room is not None and FACTOR_COPIES * 8 * n * width * width > self.room:
+            return None
+        if self.macs is not None and FOLD_COST * width * width > self.macs(call.index):
             return None
         self._gather(values, v, n)
         self.decided, self.index, self.layout = True, call.index, layout
+        self.samples = n
         return STOP
 
     def sweep_done(self) -> None:
@@ -315,13 +353,61 @@ class Cut:
 
     @torch.no_grad()
     def _gather(self, values: list[Any], v: int, n: int) -> None:
-        # (no graph: vectors a rule made from a trainable weight carry one, and each
-        # pass's R would keep the earlier ones' alive through it)
+        # (no graph: vectors a rule made from a trainable weight carry one, and the
+        # rows kept would keep every earlier pass's alive through it)
         flat = torch.cat([dense(value).reshape(v, n, -1) for value in values], dim=2)
-        rows = flat.double().transpose(0, 1)  # [N, V, D]
-        if self.r is not None:  # the earlier passes' R on top: R of all of them
-            rows = torch.cat([self.r, rows], dim=1)
-        self.r = torch.linalg.qr(rows, mode="r")[1]
+        fresh = flat.double().transpose(0, 1)  # [N, V, D]
+        del flat
+        rows = sum(p.shape[1] for p in self.pending) + fresh.shape[1]
+        if rows >= fresh.shape[2]:  # as many rows as R has columns: one QR for all
+            self.folded = self._fold([*self.pending, fresh])
+        else:
+            self.fresh = fresh
+
+    def commit(self) -> None:
+        """The sweep that stopped here finished: its rows join the Gram.
+
+        Rows are added only once their sweep has finished (its quantity's work done):
+        a sweep that fails (out of memory) is retried in parts, which add them again.
+        Never allocates (a failure here would come after the quantity's work).
+        """
+        if self.folded is not None:
+            self.r, self.pending, self.folded = self.folded, [], None
+        elif self.fresh is not None:
+            self.pending.append(self.fresh)
+            self.fresh = None
+
+    def discard(self) -> None:
+        """The sweep failed: its rows are dropped (its parts will add them)."""
+        self.fresh = self.folded = None
+
+    def _fold(self, rows: list[Tensor]) -> Tensor:
+        """``R`` of the earlier ``R`` stacked on ``rows`` (a new tensor; none changed).
+
+        Run once as many rows wait as ``R`` has columns, not every pass: a QR of
+        ``[N, D + V, D]`` per pass of ``V << D`` columns took 29 s of a 33 s call.
+        """
+        if self.r is not None:
+            rows = [self.r, *rows]
+        stacked = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        return torch.linalg.qr(stacked, mode="r")[1]
+
+    def reserve_bytes(self, element: int = 8) -> int:
+        """What the Gram's factor takes at most, folds included, for the plan.
+
+        ``R``, up to ``D`` pending rows, their concatenation for the QR, and its result
+        (``[N, D, D]`` float64 each, ``D`` from the cut's layout; 0 before the cut).
+
+        Args:
+            element: Bytes per element of the factor (float64).
+
+        Returns:
+            Bytes.
+        """
+        if not self.on:
+            return 0
+        width = sum(math.prod(shape) for _, _, shape in self.layout)
+        return FACTOR_COPIES * element * self.samples * width * width
 
     def factor(self, dtype: torch.dtype) -> int:
         """Factor the Gram (once; ``R`` is freed): the number of phase-two columns.
@@ -333,9 +419,10 @@ class Cut:
             ``R``: columns per sample of a factor ``C_n`` (``C_n C_n^T = G_n``); 0
             where no sweep stopped.
         """
-        if self.columns is None and self.r is not None:
-            r, self.r = self.r, None
+        if self.columns is None and (self.r is not None or self.pending):
             with torch.no_grad():
+                r = self._fold(self.pending) if self.pending else self.r
+                self.r, self.pending = None, []
                 self.columns = trimmed(r, dtype)
         return 0 if self.columns is None else self.columns.shape[0]
 

@@ -68,6 +68,9 @@ class ScheduleReport:
         fixed_bytes: Fitted memory of the computation at zero chunk size (budget modes).
         bytes_per_index: Fitted memory per index of a chunk (budget modes).
         from_cache: Whether the decision came from the autotune cache.
+        factor: Whether the indices were columns of a cut's Gram factor (the passes
+            below a cut, :class:`~ggnchunk.GGNReport`), not of the loss Hessian's
+            square root.
     """
 
     total: int
@@ -79,6 +82,7 @@ class ScheduleReport:
     fixed_bytes: float | None = None
     bytes_per_index: float | None = None
     from_cache: bool = False
+    factor: bool = False
 
     @property
     def peak_extra_bytes(self) -> int | None:

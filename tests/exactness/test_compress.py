@@ -30,6 +30,18 @@ from ggnchunk._graph import compress, sweep
 from tests.reference import assert_diag_close, reference_diag_ggn, reference_kron
 
 VOCAB, WIDTH, T = 40, 4, 5
+FOLD_COST = compress.FOLD_COST  # the library's: the cost guard's own tests use it
+
+
+@pytest.fixture(autouse=True)
+def _every_cut(monkeypatch):
+    """The cut wherever it is exact, whatever it costs.
+
+    The tables' small models cost little below their cuts, so the cost guard would
+    keep their chunked passes whole; what is tested here is that the cut is exact
+    (the guard's decisions have tests of their own, with the library's constant).
+    """
+    monkeypatch.setattr(compress, "FOLD_COST", 0.0)
 
 
 class TinyLM(nn.Module):
@@ -284,13 +296,17 @@ def test_segmenter_kronecker_factors_with_fewer_columns(
     "chunking", [{}, {"num_chunks": 5}, {"max_memory": "200MiB"}],
     ids=["onepass", "chunks5", "budget"],
 )  # fmt: skip
-def test_torchvision_lraspp_replaces_its_columns_below_the_resize(chunking, replaced):
+def test_torchvision_lraspp_replaces_its_columns_below_the_resize(
+    chunking, replaced, monkeypatch
+):
     """Torchvision's LRASPP, float64: the classifiers and the first convolution train.
 
     The columns cross the whole frozen backbone to reach the first layer (in chunks:
-    the Gram's factor of every pass's vectors below the resize, once).
+    the Gram's factor of every pass's vectors below the resize, once; its cost guard as
+    the library has it).
     """
     torchvision = pytest.importorskip("torchvision")
+    monkeypatch.setattr(compress, "FOLD_COST", FOLD_COST)
 
     class Out(nn.Module):
         def __init__(self, net):
@@ -318,6 +334,11 @@ def test_torchvision_lraspp_replaces_its_columns_below_the_resize(chunking, repl
     assert replaced and all(after <= 3 * (4 + 4) for _, after in replaced), replaced
     if chunking:  # one schedule for the passes, one for the factor's columns below
         assert len(report.schedules) == 2 and report.schedules[1].total <= 3 * 8
+        assert report.schedules[1].factor and not report.schedules[0].factor
+        # the report's chunk size counts the square root's columns only
+        assert report.chunk_size == max(
+            c.stop - c.start for c in report.schedules[0].chunks
+        )
     expected = _lraspp_expected(model, x, y)
     assert_diag_close(got, expected, rtol=1e-9, label="lraspp")
 
@@ -420,7 +441,9 @@ def test_a_cut_adds_up_every_chunks_gram(chunks):
         waiting = _Waiting()
         waiting.outs["out"], waiting.srcs["src"] = outs[part], srcs[part]
         assert cut.step(waiting, Call, len(part), {}) is STOP
-        assert cut.r.grad_fn is None
+        cut.commit()  # (its sweep finished)
+        kept = cut.r if cut.r is not None else cut.pending[-1]
+        assert kept.grad_fn is None
         cut.sweep_done()
     outs = outs.detach()
     assert cut.on and cut.index == 4 and cut.factor(torch.float64) == 7
@@ -490,7 +513,7 @@ class TwoUnits(nn.Module):
 
 
 @pytest.mark.parametrize("chunking", [{}, {"num_chunks": 3}, {"chunk_size": 1}])
-@pytest.mark.parametrize("scale", [1.0, 1e8, 1e12])
+@pytest.mark.parametrize("scale", [1.0, 1e8, 1e12, 1e17, 1e20])
 def test_directions_of_very_different_scales_are_kept(scale, chunking, replaced):
     torch.manual_seed(0)
     model = TwoUnits(scale).double()
@@ -569,3 +592,98 @@ def test_passes_above_a_cut_plan_without_the_caches_below_it(monkeypatch):
     assert whole > 0 and max(above) < whole, asked  # the body's caches: below only
     expected = reference_diag_ggn(model, loss_func, x, y)
     assert_diag_close(got, expected, rtol=1e-10)
+
+
+def test_a_pass_retried_after_running_out_of_memory_adds_its_rows_once(monkeypatch):
+    """A pass's rows count once, even where it fails after reaching the cut.
+
+    Found by a helper's review: a pass stopped at the cut, added its rows to the
+    factor, then ran out of memory squaring a glue parameter's products; its halves
+    added them again (parameters below the cut 1.26-1.42x too large, no warning).
+    """
+    from ggnchunk import _quantities
+
+    class Scaled(Segmenter):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.3))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale  # a glue parameter above the cut
+
+    torch.manual_seed(0)
+    model = Scaled().double().eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 32, 32))
+    gathered, failed = [], []
+    gather, square = compress.Cut._gather, _quantities._Products._square
+
+    def counted(self, *args):
+        gathered.append(1)
+        return gather(self, *args)
+
+    def fails_once(self, index, products):  # after the first pass's rows were taken
+        if len(gathered) == 1 and not failed:
+            failed.append(1)
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return square(self, index, products)
+
+    monkeypatch.setattr(compress.Cut, "_gather", counted)
+    monkeypatch.setattr(_quantities._Products, "_square", fails_once)
+    with pytest.warns(UserWarning, match="ran out of memory"):
+        got, report = ggnchunk.diag_ggn(
+            model, nn.CrossEntropyLoss(), x, y, num_chunks=3, return_report=True
+        )
+    assert failed and len(report.schedules) == 2  # retried, then below the cut
+    assert report.schedules[0].out_of_memory_splits == 1
+    expected = reference_diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    assert_diag_close(got, expected, rtol=1e-10)
+
+
+def test_the_factor_is_folded_once_per_its_width_of_rows(monkeypatch):
+    """Passes of fewer columns than the factor is wide wait: one QR per ``D`` rows.
+
+    A QR of ``[N, D + V, D]`` in every pass of ``V << D`` columns took 29 s of a 33 s
+    call (a helper's review: 64x64 images, ``chunk_size=64``, ``D = 768``).
+    """
+    folds: list[int] = []
+    fold = compress.Cut._fold
+
+    def counted(self, rows):
+        folds.append(sum(r.shape[1] for r in rows))
+        return fold(self, rows)
+
+    monkeypatch.setattr(compress.Cut, "_fold", counted)
+    model, loss_func, x, y = _segmenter(2)
+    got, report = ggnchunk.diag_ggn(
+        model, loss_func, x, y, chunk_size=16, return_report=True
+    )
+    passes = len(report.schedules[0].chunks)  # 192 passes, D = 3 * (64 + 16) = 240
+    assert len(report.schedules) == 2 and passes == 3 * 32 * 32 // 16
+    assert len(folds) <= passes // 4, folds  # not one per pass
+    assert all(rows >= 240 for rows in folds[:-1]), folds  # the last: what is left
+    assert_diag_close(got, _expected("segmenter", 2), rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("make", "side", "chunking", "cut"),
+    [
+        ("segmenter", 32, {"num_chunks": 3}, False),  # 0.82 D^2 below: not worth it
+        ("deeplab-like", 32, {"num_chunks": 3}, True),  # 2.75 D^2 below
+        ("deeplab-like", 32, {"max_memory": "64MiB"}, True),
+    ],
+)
+def test_a_cut_is_taken_where_the_sweep_below_costs_more_than_its_factor(
+    monkeypatch, make, side, chunking, cut
+):
+    """The library's cost guard: a cut only where the layers below cost ``D^2``.
+
+    Below a 64x64 segmenter-like model's cut two small convolutions cost 0.69 ``D^2``
+    per column and sample: the cut took 5.8 s against 1.6 s without it (a helper's
+    review); at 32x32 one of them costs 2.75 ``D^2`` and the cut gained 1.9x.
+    """
+    monkeypatch.setattr(compress, "FOLD_COST", FOLD_COST)
+    model, loss_func, x, y = PROBLEMS[make](2)
+    got, report = ggnchunk.diag_ggn(model, loss_func, x, y, return_report=True, **chunking)
+    assert (len(report.schedules) == 2) == cut, report.schedules
+    assert_diag_close(got, _expected(make, 2), rtol=1e-10)
