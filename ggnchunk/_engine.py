@@ -856,9 +856,10 @@ class GGNComputation:
         """Before the first pass: the passes will cover ``total`` columns.
 
         Where the first pass is a chunk of them (fewer), every pass may stop where the
-        columns span few directions of everything the sweep holds, and the Gram there,
-        added over the passes, is swept below once (:class:`ggnchunk._graph.compress.
-        Cut`): then :meth:`columns_below_cut` and :meth:`below_cut` finish the call.
+        columns span few directions of everything the sweep holds, and a factor of the
+        Gram there, added over the passes, is swept below once
+        (:class:`ggnchunk._graph.compress.Cut`): then :meth:`columns_below_cut` and
+        :meth:`below_cut` finish the call.
 
         Args:
             total: Columns the call's passes cover.

@@ -50,8 +50,8 @@ class MemoryBound(Traversal):
             element: Bytes per element of the computation's dtype.
             windowed: Count the windowed sweeps' sizes.
             cut: ``("above", index)``: the sweeps stop before call ``index``, where they
-                add their vectors' Gram (:class:`.compress.Cut`); ``("below", index)``:
-                the sweeps start there, with a factor's columns.
+                add their vectors to a Gram factor (:class:`.compress.Cut`);
+                ``("below", index)``: the sweeps start there, with a factor's columns.
 
         Returns:
             Bytes per column (a chunk of ``V`` columns needs ``V`` times this).

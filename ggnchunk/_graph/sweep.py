@@ -61,7 +61,8 @@ class Sweeps(Traversal):
             visit: Called with ``(where, vectors)`` at every layer output and input
                 (used to check that samples stay independent).
             cut: Where a call's chunked sweeps stop (phase one, :class:`.compress.Cut`):
-                the sweep ends there, its Gram kept, if the cut is decided there.
+                the sweep ends there, its rows added to the factor, if the cut is
+                decided there.
             resume: Phase two: the vectors at the cut's places (``seed`` is not used);
                 the sweep goes on from there to the inputs.
         """

@@ -118,7 +118,7 @@ class Traversal:
                 waiting at its output: may put fewer columns with the same Gram matrix
                 of all of them together in place of the vectors at every place
                 (:meth:`_Waiting.replace`), or return :data:`STOP` to end the traversal
-                there (their Gram kept for a later one, :mod:`.compress`).
+                there (their rows added to a Gram factor for later, :mod:`.compress`).
             resume: ``(index, waiting)``: go on from before call ``index``, where a
                 traversal stopped, with the vectors ``waiting`` there (``seed`` is not
                 used).
