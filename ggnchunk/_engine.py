@@ -489,6 +489,13 @@ class GGNComputation:
                 loss = problem.loss_func(output, self._targets)
             except (RuntimeError, ValueError, IndexError, TypeError) as error:
                 hint = "Check the targets' shape and dtype for this loss."
+                own = _mismatched_tensors(problem.loss_func, output)
+                if own:  # a class weight in float32 beside a float64 model, say
+                    hint = (
+                        f"loss_func holds tensors unlike the model output ({output.dtype} "
+                        f"on {output.device}): {', '.join(own)}. Move them with "
+                        f"loss_func.to(dtype={output.dtype}, device='{output.device}')."
+                    )
                 batched = _batch_shaped(problem.loss_func, output)
                 if batched is not None:  # the whole batch's per-sample weight
                     name, size = batched
@@ -501,7 +508,8 @@ class GGNComputation:
                 raise ValueError(
                     f"loss_func ({type(problem.loss_func).__name__}) fails on the model "
                     f"output of shape {tuple(output.shape)} and targets of shape "
-                    f"{tuple(self._targets.shape)} ({self._targets.dtype}): {error} {hint}"
+                    f"{tuple(self._targets.shape)} ({self._targets.dtype}): "
+                    f"{str(error).rstrip('.')}. {hint}"
                 ) from error
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -984,6 +992,31 @@ def _check_finite_output(output: Tensor) -> None:
             "GGN is not defined there; fix the forward pass (e.g. clamp before a log) "
             "or leave those samples out."
         )
+
+
+def _mismatched_tensors(loss_func: Any, output: Tensor) -> list[str]:
+    """A loss module's floating tensors (weights, buffers) unlike the model output.
+
+    Args:
+        loss_func: The loss (a module or a function: none then).
+        output: The model output.
+
+    Returns:
+        ``"name (dtype, device)"`` for each tensor attribute whose dtype or device
+        differs from the output's.
+    """
+    if not isinstance(loss_func, nn.Module):
+        return []
+    found = []
+    for name, value in vars(loss_func).items():
+        tensors = value.items() if isinstance(value, dict) else [(name, value)]
+        for key, tensor in tensors:
+            if (
+                isinstance(tensor, Tensor) and tensor.is_floating_point()
+                and (tensor.dtype != output.dtype or tensor.device != output.device)
+            ):  # fmt: skip
+                found.append(f"{key} ({tensor.dtype}, {tensor.device})")
+    return found
 
 
 def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | None:

@@ -95,6 +95,21 @@ def test_negative_class_weights():
         )
 
 
+def test_a_class_weight_in_another_dtype_is_named_with_the_fix():
+    """A float32 class weight beside a float64 model is named, with the fix.
+
+    Found by a helper's hunt: the message blamed the targets' shape and dtype, and ran
+    into the next sentence.
+    """
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(2, 4, dtype=torch.float64), torch.tensor([0, 2])
+    loss_func = nn.CrossEntropyLoss(weight=torch.rand(3))
+    with pytest.raises(ValueError, match=r"Float\. loss_func holds tensors") as info:
+        ggnchunk.diag_ggn(model, loss_func, x, y)
+    assert "weight (torch.float32, cpu)" in str(info.value)
+    assert "loss_func.to(dtype=torch.float64" in str(info.value)
+
+
 class _BatchCenter(nn.Module):
     """Mixes samples: not a per-sample function."""
 
