@@ -707,7 +707,23 @@ def sr_espcn(scale: int = 1) -> Problem:
     return model, nn.MSELoss(), x, torch.rand(4 * scale, 3, 64, 64)
 
 
+def conv3d_stack(scale: int = 1) -> Problem:
+    """Two float64 3-d convolutions (64 channels on 4x16x16 clips), pooled, 3 BCE outputs.
+
+    In float64 torch runs its native ``slow_conv3d``, whose input gradient unfolds every
+    kernel offset of all ``V * N`` maps at once, twice (a budget test's problem: a video
+    network's one-column passes went above budgets its bound had accepted).
+    """
+    model = nn.Sequential(
+        nn.Conv3d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv3d(64, 64, 3, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(64, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(2 * scale, 3, 4, 16, 16, dtype=torch.float64)
+    return model, nn.BCEWithLogitsLoss(), x, torch.rand(2 * scale, 3, dtype=torch.float64)
+
+
 PROBLEMS.update(
+    conv3d_stack=conv3d_stack,
     tutorial_conv_ae_n64=tutorial_conv_ae_n64,
     unet_64=unet_64,
     time_unet_64=time_unet_64,

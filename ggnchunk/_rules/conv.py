@@ -972,6 +972,14 @@ class ConvRule(LayerRule):
             # column (a slice holds at most a chunk's vectors)
             kernel = module.weight.numel() // module.out_channels
             extra = max(extra, 2 * ctx.out_shape[0] * positions * kernel)
+        if _native(ctx.x) and ctx.x.dim() == 5:
+            # ``slow_conv3d``'s input gradient: the columns of every kernel offset for
+            # all ``V * N`` maps at once, twice (measured: 2 x 13.5 MiB per sample for
+            # 64 -> 64 channels on 4x16x16 in float64; a one-column pass of a Conv3d
+            # stack peaked at 53 MiB against a 44.7 MiB budget before this was counted)
+            kernel = module.weight.numel() // module.out_channels  # (Cin / G) K
+            columns = math.prod(ctx.out_shape[:1] + ctx.out_shape[2:]) * module.groups
+            return max(extra, 2 * columns * kernel)
         if not (_native(ctx.x) and module.weight.numel() <= SMALL_WEIGHT):
             return extra
         # the native transposed convolution's columns: every kernel offset's map (a

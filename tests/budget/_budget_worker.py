@@ -59,7 +59,11 @@ def main() -> None:
         ggnchunk.diag_ggn(model, loss_func, x, y, max_memory=budget, **_OPTIONS)
         gc.collect()
         _malloc_trim()
-    record, diag = _measured(model, loss_func, x, y, budget)
+    try:
+        record, diag = _measured(model, loss_func, x, y, budget)
+    except ggnchunk.MemoryBudgetError as error:  # refused before any pass: a record
+        print(json.dumps({"refused": str(error)}))
+        return
     reference = ggnchunk.diag_ggn(model, loss_func, x, y, num_chunks=7)
     # relative to the diagonal's largest entry: a parameter whose diagonal is exactly
     # zero (a bias before an instance norm) has only float32 rounding in both calls
