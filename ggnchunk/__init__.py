@@ -13,7 +13,11 @@ from ggnchunk._api import (
 )
 from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._dataset import DiagGGNAccumulator, diag_ggn_dataset
-from ggnchunk._graph import GradientDisabledWarning, SampleCouplingError
+from ggnchunk._graph import (
+    GradientDisabledWarning,
+    SampleCouplingError,
+    UnusedParameterWarning,
+)
 from ggnchunk._kron import KronFactors
 from ggnchunk._memory import PeakMemory, measure_peak_memory, parse_memory
 from ggnchunk._rules import register_rule, supported_layers_table
@@ -59,6 +63,7 @@ __all__ = [
     # errors and warnings users meet
     "SampleCouplingError",
     "GradientDisabledWarning",
+    "UnusedParameterWarning",
     "NotConvexWarning",
     "SlowBackwardWarning",
     "ZeroHessianWarning",

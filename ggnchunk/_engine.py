@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 from ggnchunk import _windows as windows
 from ggnchunk._autograd import BatchNormBase
-from ggnchunk._checks import Batch
+from ggnchunk._checks import Batch, warn
 from ggnchunk._folding import folded_glue
-from ggnchunk._graph import Recording
+from ggnchunk._graph import Recording, UnusedParameterWarning
 from ggnchunk._graph.compress import Cut
 from ggnchunk._memory import free_memory, synchronize
 from ggnchunk._quantities import Gradient, Quantity, Sampling
@@ -470,6 +470,7 @@ class GGNComputation:
             with _eager():
                 self._loss = self._loss_of(output)
         self._recording.plan(output)
+        self._warn_unreached()
         self.quantity.check(self._recording)
         self._recording.check_independent(output)
         self.quantity.start(self._recording)
@@ -480,6 +481,25 @@ class GGNComputation:
             sqrt = self._sampling.draw(sqrt)
         self._sqrt = sqrt
         return output
+
+    def _warn_unreached(self) -> None:
+        """Warn about trainable parameters that no gradient of the output reaches."""
+        names = [self._problem.names[i] for i in self._recording.unreached]
+        if not names:
+            return
+        shown = ", ".join(names[:4]) + (
+            f" and {len(names) - 4} more" if len(names) > 4 else ""
+        )
+        warn(
+            f"ggnchunk: no gradient of the model output reaches the trainable "
+            f"parameter(s) {shown}: their GGN diagonal is zero, as their gradients are. "
+            "Either forward did not use them (an unused head, an auxiliary branch "
+            "skipped in eval mode), or it used a value computed from them without "
+            "gradients (a cache filled under torch.no_grad(): timm's LeViT keeps its "
+            "attention biases so in eval mode; clear such a cache before the call). "
+            "Set requires_grad=False on parameters that are meant to be unused.",
+            UnusedParameterWarning,
+        )
 
     def _loss_of(self, output: Tensor) -> Tensor:
         problem = self._problem

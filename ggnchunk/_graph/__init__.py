@@ -38,11 +38,16 @@ products per sample), ``glue_windows`` (glue crossed on windowed boxes).
 
 from ggnchunk._autograd import SlowBackwardWarning
 from ggnchunk._graph.parts import Call, SampleCouplingError, _Source
-from ggnchunk._graph.recording import GradientDisabledWarning, Recording
+from ggnchunk._graph.recording import (
+    GradientDisabledWarning,
+    Recording,
+    UnusedParameterWarning,
+)
 
 __all__ = [
     "Call",
     "GradientDisabledWarning",
+    "UnusedParameterWarning",
     "Recording",
     "SampleCouplingError",
     "SlowBackwardWarning",

@@ -316,7 +316,11 @@ class Recording(Sweeps, MemoryBound, Checks):
             for i in source.params:
                 uses[i] = uses.get(i, 0) + 1
         self._stop_without_parameters()
-        self._warn_without_grad(uses)
+        silent = self._warn_without_grad(uses)
+        # trainable parameters no gradient reaches (and not already warned about)
+        self.unreached = [
+            i for i in range(len(self._params)) if i not in uses and i not in silent
+        ]
         self.reused = {i for i, count in uses.items() if count > 1}  # several places
         self.tied = self._tied_pairs(uses) if self.sums_squares else {}
         self.shared = {
@@ -374,15 +378,19 @@ class Recording(Sweeps, MemoryBound, Checks):
                     tied[i] = (head.index, embedding.index)
         return tied
 
-    def _warn_without_grad(self, uses: dict[int, int]) -> None:
+    def _warn_without_grad(self, uses: dict[int, int]) -> set[int]:
         """Warn about layers whose trainable parameters ran only with gradients off.
 
         Their diagonal is zero, as their gradients are (autograd never sees them): a
         part of ``forward`` inside ``torch.no_grad()`` or ``torch.inference_mode()``
         (a reentrant ``torch.utils.checkpoint``, which does the same, is refused
         before this).
+
+        Returns:
+            The indices of those layers' parameters.
         """
         silent = []
+        indices: set[int] = set()
         for module, (name, _) in self._units.items():
             if name not in self.without_grad:
                 continue
@@ -392,6 +400,7 @@ class Recording(Sweeps, MemoryBound, Checks):
             ]  # fmt: skip
             if mine and not any(i in uses for i in mine):
                 silent.append(f"{_display(name)} ({self.without_grad[name]})")
+                indices.update(mine)
         if silent:
             shown = ", ".join(silent[:3]) + (
                 f" and {len(silent) - 3} more" if len(silent) > 3 else ""
@@ -404,6 +413,7 @@ class Recording(Sweeps, MemoryBound, Checks):
                 "curvature, or set requires_grad=False on their parameters.",
                 GradientDisabledWarning,
             )
+        return indices
 
     def _schedule_crossings(self) -> None:
         """When each glue region is crossed: once every place its vectors come from is done.
@@ -735,6 +745,10 @@ def _refuse_reentrant(where: str) -> None:
 
 class GradientDisabledWarning(UserWarning):
     """Layers with trainable parameters ran with gradients disabled: zero diagonal."""
+
+
+class UnusedParameterWarning(UserWarning):
+    """Trainable parameters that no gradient of the output reaches: zero diagonal."""
 
 
 # the internal switch (tests, benchmarks): False walks every region to the layer outputs,

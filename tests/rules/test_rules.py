@@ -349,6 +349,7 @@ class _OutputSize(nn.Module):
         self.down = nn.Conv2d(2, 4, 3, stride=2, padding=1)
         self.up = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1)
         self.up1d = nn.ConvTranspose1d(2, 2, 2, stride=3)
+        self.up1d.requires_grad_(not image)  # unused with image outputs
 
     def forward(self, x):
         h = self.up(torch.relu(self.down(x)), output_size=x.shape[-2:])  # 8 from 4

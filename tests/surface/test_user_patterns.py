@@ -178,6 +178,45 @@ def test_a_trainable_layer_run_without_gradients_is_named(context):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
 
 
+class _Cached(nn.Module):
+    """A table used through a cache, as timm's LeViT keeps its attention biases in eval."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.table = nn.Parameter(torch.randn(2, 1, 1))
+        self.unused = nn.Linear(2, 2)  # an auxiliary head skipped in eval mode
+        self.cache = None
+
+    def forward(self, x):
+        if self.training or self.cache is None:
+            self.cache = self.table * 2.0  # filled under no_grad: no graph to the table
+        return self.a(x) + self.cache
+
+
+def test_parameters_no_gradient_reaches_are_named():
+    """A helper's hunt: LeViT's cached biases got an all-zero diagonal without a word.
+
+    Exact (zero, as their gradients are), and said once, naming them; parameters set
+    not to train are not named.
+    """
+    x, y = _data()
+    torch.manual_seed(0)
+    model = _Cached().double().eval()
+    with torch.no_grad():
+        model(x)  # an evaluation pass fills the cache without a graph
+    with pytest.warns(ggnchunk.UnusedParameterWarning, match=r"table, unused\.weight"):
+        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, num_chunks=2)
+    assert_diag_close(diag, reference_diag_ggn(model, nn.MSELoss(), x, y), 1e-9)
+    assert not diag["table"].any() and not diag["unused.weight"].any()
+    assert diag["a.weight"].any()
+    model.table.requires_grad_(False)
+    model.unused.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ggnchunk.UnusedParameterWarning)
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
 def _conv_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -563,7 +602,11 @@ def test_a_layer_run_on_other_weights_than_its_parameters_is_exact(make):
     x, y = torch.randn(*shape).double(), torch.randn(5, 2).double()
     expected = reference_diag_ggn(model, nn.MSELoss(), x, y)
     for name, options in CHUNKINGS.items():
-        diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        if make is _DetachedFastWeights:  # no gradient reaches the weights it detached
+            with pytest.warns(ggnchunk.UnusedParameterWarning, match=r"net\.0\.weight"):
+                diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+        else:
+            diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
         assert_diag_close(diag, expected, 1e-9, name)
 
 
