@@ -722,7 +722,23 @@ def conv3d_stack(scale: int = 1) -> Problem:
     return model, nn.BCEWithLogitsLoss(), x, torch.rand(2 * scale, 3, dtype=torch.float64)
 
 
+def wide_conv_head(scale: int = 1) -> Problem:
+    """A float64 512-channel 3x3 convolution on 2x2 maps, pooled, 3 MSE outputs.
+
+    Its weight (2.4M elements, 18 MiB) outweighs its maps: the products' squares are
+    summed into a weight-sized total, with each step's sum beside it (a budget test's
+    problem: those two weights were not in the bound).
+    """
+    model = nn.Sequential(
+        nn.Conv2d(3, 512, 1), nn.ReLU(), nn.Conv2d(512, 512, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(2 * scale, 3, 2, 2, dtype=torch.float64)
+    return model, nn.MSELoss(), x, torch.randn(2 * scale, 3, dtype=torch.float64)
+
+
 PROBLEMS.update(
+    wide_conv_head=wide_conv_head,
     conv3d_stack=conv3d_stack,
     tutorial_conv_ae_n64=tutorial_conv_ae_n64,
     unet_64=unet_64,

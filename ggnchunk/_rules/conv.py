@@ -937,6 +937,10 @@ class ConvRule(LayerRule):
         # the windowed products' steps take BLOCK, and the input as rows of positions
         # (padded with values first where the padding is not zeros)
         rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
+        # the products' squares summed: a weight-sized total and each step's sum before
+        # it is added (ResNet-style 512-channel layers: 2 x 18 MiB in float64, which a
+        # video network's budget went above before they were counted)
+        rows += 2 * module.weight.numel()
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
             return fixed + patches, per_column, BLOCK + reorder + rows

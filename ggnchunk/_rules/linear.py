@@ -131,7 +131,9 @@ class LinearRule(LayerRule):
         x = ctx.x
         if x[0].numel() == x.shape[-1]:  # one position: squares summed, nothing blocked
             return 0
-        return BLOCK * element  # samples batched in the direct form (also when lean)
+        # samples batched in the direct form (also when lean), and the squares' weight-
+        # sized total with each block's sum before it is added
+        return (BLOCK + 2 * ctx.module.weight.numel()) * element
 
     def backprop_bytes(self, ctx, element):  # one product with the weight, no products
         return 2 * math.prod(ctx.out_shape) * element, 0, 0
