@@ -611,9 +611,9 @@ def _below_cut(
             bar.update(1)
 
     try:
-        report = scheduler.run(columns, below, baseline=baseline, cost=run.below_cut_bytes)[
-            1
-        ]
+        _, report = scheduler.run(
+            columns, below, baseline=baseline, cost=run.below_cut_bytes
+        )
     except MemoryBudgetError:  # raised before any pass below the cut
         # the call's first plan found room for one column from the output to the
         # inputs, which holds more than one column below the cut: never refused after
@@ -622,7 +622,7 @@ def _below_cut(
             chunk_size=1, device=device, recover_oom=options.recover_oom,
             what="factor columns",
         )  # fmt: skip
-        report = fallback.run(columns, below)[1]
+        _, report = fallback.run(columns, below)
     report.factor = True
     return report
 

@@ -1014,29 +1014,38 @@ def _check_finite_output(output: Tensor) -> None:
         )
 
 
+def _loss_tensors(loss_func: nn.Module) -> dict[str, Tensor]:
+    """A loss module's tensors: its buffers and tensor attributes (a class weight, say).
+
+    Args:
+        loss_func: The loss module.
+
+    Returns:
+        ``{name: tensor}``.
+    """
+    tensors = dict(loss_func.named_buffers())
+    tensors.update((k, v) for k, v in vars(loss_func).items() if isinstance(v, Tensor))
+    return tensors
+
+
 def _mismatched_tensors(loss_func: Any, output: Tensor) -> list[str]:
-    """A loss module's floating tensors (weights, buffers) unlike the model output.
+    """A loss module's floating tensors whose dtype or device differ from the output's.
 
     Args:
         loss_func: The loss (a module or a function: none then).
         output: The model output.
 
     Returns:
-        ``"name (dtype, device)"`` for each tensor attribute whose dtype or device
-        differs from the output's.
+        ``"name (dtype, device)"`` for each.
     """
     if not isinstance(loss_func, nn.Module):
         return []
-    found = []
-    for name, value in vars(loss_func).items():
-        tensors = value.items() if isinstance(value, dict) else [(name, value)]
-        for key, tensor in tensors:
-            if (
-                isinstance(tensor, Tensor) and tensor.is_floating_point()
-                and (tensor.dtype != output.dtype or tensor.device != output.device)
-            ):  # fmt: skip
-                found.append(f"{key} ({tensor.dtype}, {tensor.device})")
-    return found
+    return [
+        f"{name} ({tensor.dtype}, {tensor.device})"
+        for name, tensor in _loss_tensors(loss_func).items()
+        if tensor.is_floating_point()
+        and (tensor.dtype != output.dtype or tensor.device != output.device)
+    ]
 
 
 def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | None:
@@ -1049,9 +1058,7 @@ def _batch_shaped(loss_func: nn.Module, output: Tensor) -> tuple[str, int] | Non
     Returns:
         ``(attribute name, its batch size)``, or ``None``.
     """
-    tensors = dict(loss_func.named_buffers())
-    tensors.update((k, v) for k, v in vars(loss_func).items() if isinstance(v, Tensor))
-    for name, value in tensors.items():
+    for name, value in _loss_tensors(loss_func).items():
         if value.dim() == output.dim() and value.shape[0] not in (1, output.shape[0]):
             return name, value.shape[0]
     return None

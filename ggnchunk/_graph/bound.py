@@ -209,8 +209,15 @@ class MemoryBound(Traversal):
         Returns:
             Multiply-adds.
         """
-        total = 0
-        for call in self.calls[: index + 1]:
+        prefix = getattr(self, "_macs_prefix", None)
+        if prefix is None:  # once per recording (asked at every place a cut is tried)
+            prefix = self._macs_prefix = self._layer_macs()
+        return prefix[index]
+
+    def _layer_macs(self) -> list[int]:
+        """Multiply-adds from the first call up to each call, inclusive (see above)."""
+        prefix, total = [], 0
+        for call in self.calls:
             module, work = call.ctx.module, call.out_numel
             if isinstance(module, nn.Linear):
                 work *= module.in_features
@@ -223,7 +230,8 @@ class MemoryBound(Traversal):
                 else:
                     work *= module.in_channels // module.groups * kernel
             total += 2 * work if call.params else work
-        return total
+            prefix.append(total)
+        return prefix
 
     def alignment_margin(self) -> int:
         """The factor on the windowed sweeps' sizes for columns placed elsewhere.

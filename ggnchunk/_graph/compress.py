@@ -239,6 +239,15 @@ def _blocks(
     return out
 
 
+def _factor_bytes(samples: int, width: int) -> int:
+    """A cut's factor at most: :data:`FACTOR_COPIES` ``[N, D, D]`` float64 tensors.
+
+    ``R``, fewer than ``D`` rows waiting, their concatenation and the QR's copy of it,
+    and the new ``R``.
+    """
+    return FACTOR_COPIES * 8 * samples * width * width
+
+
 class Cut:
     """Where a call's chunked sweeps stop, and the factor of every chunk's Gram there.
 
@@ -291,7 +300,7 @@ class Cut:
         self.fresh: Tensor | None = None  # the current sweep's rows (not committed)
         self.folded: Tensor | None = None  # or R with them folded in (not committed)
         self.columns: Tensor | None = None  # [R, N, D] after :meth:`factor`
-        self.samples = 0
+        self.samples = self.width = 0  # N and D, once decided
 
     @property
     def on(self) -> bool:
@@ -338,13 +347,13 @@ class Cut:
         if carried:  # a tied table's rows: not in the Gram
             self.decided = True
             return None
-        if self.room is not None and FACTOR_COPIES * 8 * n * width * width > self.room:
+        if self.room is not None and _factor_bytes(n, width) > self.room:
             return None
         if self.macs is not None and FOLD_COST * width * width > self.macs(call.index):
             return None
         self._gather(values, v, n)
         self.decided, self.index, self.layout = True, call.index, layout
-        self.samples = n
+        self.samples, self.width = n, width
         return STOP
 
     def sweep_done(self) -> None:
@@ -392,22 +401,13 @@ class Cut:
         stacked = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
         return torch.linalg.qr(stacked, mode="r")[1]
 
-    def reserve_bytes(self, element: int = 8) -> int:
+    def reserve_bytes(self) -> int:
         """What the Gram's factor takes at most, folds included, for the plan.
 
-        ``R``, up to ``D`` pending rows, their concatenation for the QR, and its result
-        (``[N, D, D]`` float64 each, ``D`` from the cut's layout; 0 before the cut).
-
-        Args:
-            element: Bytes per element of the factor (float64).
-
         Returns:
-            Bytes.
+            Bytes (:func:`_factor_bytes`; 0 before the cut).
         """
-        if not self.on:
-            return 0
-        width = sum(math.prod(shape) for _, _, shape in self.layout)
-        return FACTOR_COPIES * element * self.samples * width * width
+        return _factor_bytes(self.samples, self.width) if self.on else 0
 
     def factor(self, dtype: torch.dtype) -> int:
         """Factor the Gram (once; ``R`` is freed): the number of phase-two columns.

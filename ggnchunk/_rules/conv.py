@@ -937,13 +937,13 @@ class ConvRule(LayerRule):
         # the windowed products' steps take BLOCK, and the input as rows of positions
         # (padded with values first where the padding is not zeros)
         rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
-        # the products' squares summed: a weight-sized total and each step's sum before
-        # it is added (ResNet-style 512-channel layers: 2 x 18 MiB in float64, which a
-        # video network's budget went above before they were counted)
-        rows += 2 * module.weight.numel()
+        # beside them, the products' squares summed: a weight-sized total and each
+        # step's sum before it is added (ResNet-style 512-channel layers: 2 x 18 MiB in
+        # float64, which a video network's budget went above before they were counted)
+        step = BLOCK + reorder + rows + 2 * module.weight.numel()
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
-            return fixed + patches, per_column, BLOCK + reorder + rows
+            return fixed + patches, per_column, step
         # lean: nothing kept but Gram matrices; all patches at once only to build those
         # (and for per-sample products), one sample's otherwise; the input's squares for
         # the output layer's one-hot form
@@ -952,7 +952,7 @@ class ConvRule(LayerRule):
         transient = (patches if whole else 2 * g * k * positions) + reorder
         if ctx.output:
             transient += ctx.x.numel()
-        return fixed, per_column, max(transient, BLOCK + reorder + rows)
+        return fixed, per_column, max(transient, step)
 
     @staticmethod
     def _backprop_columns(ctx: RuleContext) -> int:
