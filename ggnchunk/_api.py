@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _scheduling, _windows
+from ggnchunk._autograd import parameter_hooks_off
 from ggnchunk._checks import (
     Batch,
     check_batch,
@@ -646,6 +647,23 @@ QuantitySpec = Callable[[Problem, int], Quantity]
 
 @warnings_once()
 def _compute(
+    problem: Problem, batch: Batch, targets: Tensor | None, options: ChunkOptions,
+    scale: float, spec: QuantitySpec, group=None, with_gradient: bool = False,
+    sampling: Sampling | None = None,
+) -> tuple[Quantity, Tensor, list[Tensor], GGNReport]:  # fmt: skip
+    """:func:`_compute_parts` with the parameters' gradient hooks muted (restored after).
+
+    The GGN (and the loss gradient returned with it) is the model function's: a
+    clipping hook on a parameter would otherwise change the products of the parameters
+    the glue's backward reaches, and not those of layers with rules.
+    """
+    with parameter_hooks_off(problem.params):
+        return _compute_parts(
+            problem, batch, targets, options, scale, spec, group, with_gradient, sampling
+        )
+
+
+def _compute_parts(
     problem: Problem, batch: Batch, targets: Tensor | None, options: ChunkOptions,
     scale: float, spec: QuantitySpec, group=None, with_gradient: bool = False,
     sampling: Sampling | None = None,

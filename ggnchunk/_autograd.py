@@ -46,6 +46,8 @@ __all__ = [
     "global_forward_hooks",
     "grad_shape",
     "in_checkpoint",
+    "module_backward_hooks_off",
+    "parameter_hooks_off",
     "is_batched",
     "node_name",
     "noting",
@@ -714,6 +716,74 @@ def first_global_forward_hook(hook: Callable) -> Any:
     if hooks is not None and hasattr(hooks, "move_to_end") and handle.id in hooks:
         hooks.move_to_end(handle.id, last=False)
     return handle
+
+
+@contextlib.contextmanager
+def _muted(dicts: Sequence[dict | None]) -> Iterator[None]:
+    """Empty each hook dictionary in place for the block; then restore it, in order.
+
+    The dictionaries stay the same objects, so the handles the user holds still remove
+    their hooks; hooks added during the block are kept, after the restored ones.
+    """
+    saved: list[tuple[dict, list]] = []
+    try:
+        for hooks in dicts:
+            if hooks:
+                saved.append((hooks, list(hooks.items())))
+                hooks.clear()
+        yield
+    finally:
+        for hooks, items in reversed(saved):
+            added = list(hooks.items())
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+
+def parameter_hooks_off(params: Sequence[Tensor]) -> contextlib.AbstractContextManager:
+    """The parameters' gradient hooks (``Tensor.register_hook``) do not run in the block.
+
+    They run wherever autograd computes a gradient of the parameter, also in
+    ``torch.autograd.grad`` with ``is_grads_batched=True``: a clipping or scaling hook
+    would change the products of parameters that the glue's backward reaches (an LSTM's
+    weights, a position table), and not those of layers with rules. The GGN is the
+    model function's, whatever its training loop does to gradients.
+
+    Args:
+        params: The trainable parameters.
+
+    Returns:
+        A context manager.
+    """
+    return _muted([getattr(p, "_backward_hooks", None) for p in params])
+
+
+def module_backward_hooks_off(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """No module backward hook is set up by a forward pass run in the block.
+
+    A module with (full) backward hooks, or with global ones
+    (``register_module_full_backward_hook``), wraps its inputs and outputs in nodes
+    whose backward calls the hooks: they would run in every backward sweep, with
+    batches of columns (a hook that returns a changed ``grad_input`` would change the
+    result; one that reads a missing gradient raised). The forward pass's values are
+    the same without them.
+
+    Args:
+        model: The model; its modules' hooks and the global ones are muted.
+
+    Returns:
+        A context manager.
+    """
+    from torch.nn.modules import module as torch_module
+
+    dicts: list[dict | None] = [
+        getattr(torch_module, "_global_backward_hooks", None),
+        getattr(torch_module, "_global_backward_pre_hooks", None),
+    ]
+    for module in model.modules():
+        dicts.append(getattr(module, "_backward_hooks", None))
+        dicts.append(getattr(module, "_backward_pre_hooks", None))
+    return _muted(dicts)
 
 
 def in_checkpoint() -> bool:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _windows as windows
-from ggnchunk._autograd import BatchNormBase
+from ggnchunk._autograd import BatchNormBase, module_backward_hooks_off
 from ggnchunk._checks import Batch, warn
 from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording, UnusedParameterWarning
@@ -431,7 +431,13 @@ class GGNComputation:
         batch = [t for t in self._batch.tensors() if self._batch.batched(t)]
         # compiled code (torch.compile) runs as written: the recording's hooks see its
         # layers, and dynamo would trace through them
-        with torch.enable_grad(), folded_glue(batch), _eager():
+        # the model's backward hooks are not set up: they would run in every sweep
+        with (
+            torch.enable_grad(),
+            folded_glue(batch),
+            _eager(),
+            module_backward_hooks_off(problem.model),
+        ):
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
         if not isinstance(output, Tensor):

@@ -716,3 +716,82 @@ def test_complex_parameters_are_refused_with_the_real_storage_fix():
     x, y = _data()
     with pytest.raises(ValueError, match=r"'w' is complex .*view_as_real"):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
+class _HookedNet(nn.Module):
+    """Parameters behind layers with rules and in the glue (an LSTM, a position vector)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.pos = nn.Parameter(0.3 * torch.randn(4))
+        self.mid = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.mid(self.rnn(x)[0][:, -1] + self.pos)))
+
+
+@pytest.mark.parametrize("options", list(CHUNKINGS.values()), ids=list(CHUNKINGS))
+@pytest.mark.parametrize("kind", ["parameter", "module", "global"])
+def test_users_backward_hooks_neither_run_nor_change_the_result(kind, options):
+    """Gradient hooks are the training loop's business, not the model function's.
+
+    A parameter's clipping hook ran wherever the glue's backward reached the parameter
+    (100x on the LSTM's weights for a x10 hook, none on the Linear layers'); a module's
+    full backward hook ran in every sweep with batched columns (and raised where it read
+    a gradient the sweep did not compute). After the call, the hooks are all there and run
+    in the user's own backward.
+    """
+    torch.manual_seed(0)
+    net = _HookedNet().double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1])
+    loss_func = nn.CrossEntropyLoss()
+    expected = reference_diag_ggn(net, loss_func, x, y)
+    ran = []
+
+    def tensor_hook(grad):
+        ran.append("tensor")
+        return grad * 10
+
+    def module_hook(module, grad_input, grad_output):
+        ran.append("module")
+        # (grad_input[0] * 10 raised a TypeError in the sweeps: no input gradient there)
+        return tuple(None if g is None else g * 10 for g in grad_input)
+
+    def pre_hook(module, grad_output):
+        ran.append("pre")
+        return tuple(None if g is None else g * 10 for g in grad_output)
+
+    handles = []
+    if kind == "parameter":
+        handles = [p.register_hook(tensor_hook) for p in net.parameters()]
+    elif kind == "module":
+        handles = [
+            net.mid.register_full_backward_hook(module_hook),
+            net.head.register_full_backward_pre_hook(pre_hook),
+        ]
+        with warnings.catch_warnings():  # torch's own deprecation of the old style
+            warnings.simplefilter("ignore")
+            handles.append(net.act.register_backward_hook(lambda m, gi, go: ran.append("old")))
+    else:
+        handles = [
+            nn.modules.module.register_module_full_backward_hook(module_hook),
+            nn.modules.module.register_module_full_backward_pre_hook(pre_hook),
+        ]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ggnchunk.SlowBackwardWarning)
+            diag = ggnchunk.diag_ggn(net, loss_func, x, y, **options)
+        assert ran == []
+        assert_diag_close(diag, expected, 1e-9, kind)
+        # still registered, in their order, and they run in the user's own backward
+        with warnings.catch_warnings():  # torch's own, for modules returning tuples
+            warnings.simplefilter("ignore")
+            loss_func(net(x), y).backward()
+        assert ran
+    finally:
+        for handle in handles:
+            handle.remove()
