@@ -783,12 +783,15 @@ def _compute_parts(
                 float(problem.handler.normalizer(problem.loss_func, sub_targets))
                 if mean else 1
             )  # fmt: skip
-            loss += weight * run.loss
+            # (none where a mean has no target in the sub-batch, every one ignored: its
+            # loss and gradient are 0/0, and it adds nothing to the batch's)
+            if weight != 0:
+                loss += weight * run.loss
         if merged is None:
             merged = quantity  # no second parameter-sized buffer for one sub-batch
         else:
             merged.absorb(quantity)
-        if with_gradient:
+        if with_gradient and weight != 0:
             for acc, grad in zip(gradient, grads, strict=True):
                 if grad is not None:
                     acc.add_(grad, alpha=weight)

@@ -838,10 +838,15 @@ class AutogradLossSqrtHessian(LossSqrtHessian):
         divisor = 1
         if averages(loss_func):
             divisor = float(self.normalizer(loss_func, targets))
-        expected = terms.sum() / divisor
         tolerance = (
             1e-4 if output.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
         )
+        if divisor == 0:  # a mean over no target (every one ignored in this sub-batch):
+            # 0/0, but the terms must be zero, as the whole batch's mean counts them
+            expected = terms.sum()
+            total = torch.zeros_like(expected)
+        else:
+            expected = terms.sum() / divisor
         close = torch.allclose(total, expected, rtol=tolerance, atol=tolerance * 1e-3)
         if not close and divisor > 1:
             # a forward that takes the mean itself (reduction="mean" not passed on): the

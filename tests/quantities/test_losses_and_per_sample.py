@@ -293,3 +293,42 @@ def test_kl_divergence_is_linear_in_its_input_and_says_so(reduction, kwargs):
     for name, value in actual.items():
         assert torch.equal(value, torch.zeros_like(value)), name
         assert float(expected[name].abs().max()) < 1e-12, name
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "nll", "nll_weighted"])
+@pytest.mark.parametrize("where", ["batch_chunks", "dataset"])
+def test_a_sub_batch_whose_targets_are_all_ignored_adds_nothing(kind, where):
+    """A mean over a batch whose sub-batch (or loader batch) has only ignored targets.
+
+    The batch's loss is finite; the sub-batch's own mean is 0/0. ``NLLLoss`` (the
+    generic path) was refused as "not a mean of per-sample terms" (NaN against NaN),
+    and ``loss_grad_and_diag_ggn`` returned a NaN loss and gradient for cross-entropy.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    weight = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
+    if kind == "cross_entropy":
+        loss_func = nn.CrossEntropyLoss(ignore_index=1)
+    else:  # NLL is linear in the log-probabilities: a zero GGN, the loss and gradient
+        model.append(nn.LogSoftmax(-1))
+        loss_func = nn.NLLLoss(weight=weight if kind == "nll_weighted" else None,
+                               ignore_index=1)  # fmt: skip
+    x = torch.randn(5, 4, dtype=torch.float64)
+    targets = torch.tensor([0, 2, 1, 1, 0])  # samples 2 and 3: ignored
+    expected = reference_diag_ggn(model, loss_func, x, targets)
+    true_loss = loss_func(model(x), targets)
+    true_grad = torch.autograd.grad(true_loss, list(model.parameters()))
+    if where == "dataset":
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = DataLoader(TensorDataset(x, targets), batch_size=2)
+        actual = ggnchunk.diag_ggn_dataset(model, loss_func, loader, progress=False)
+        assert_diag_close(actual, expected, 1e-9, where)
+        return
+    loss, grad, actual = ggnchunk.loss_grad_and_diag_ggn(
+        model, loss_func, x, targets, batch_chunk_size=2
+    )
+    assert_diag_close(actual, expected, 1e-9, where)
+    assert torch.allclose(loss, true_loss, rtol=1e-12)
+    for g, t in zip(grad.values(), true_grad, strict=True):
+        assert torch.allclose(g, t, rtol=1e-10, atol=1e-14)

@@ -1459,10 +1459,11 @@ class _SizesPerSweep:
 
 
 def _one_column_per_sweep(name: str, monkeypatch) -> tuple[_SizesPerSweep, object]:
-    """One sweep per column: every output position of the first channel, and the first
-    position of every other channel (a column's box depends on its position alone: the
-    seed is one position, whatever the channel; the sweeps of the other channels' columns
-    are skipped, which leaves the diagonal incomplete, not the sizes seen).
+    """One sweep per column: each position of the first channel, one of each other.
+
+    A column's box depends on its position alone (the seed is one position, whatever
+    the channel); the sweeps of the other channels' columns are skipped, which leaves
+    the diagonal incomplete, not the sizes seen.
     """
     spy = _SizesPerSweep(monkeypatch)
     model, loss_func, x, targets = _problem(name, "mse")

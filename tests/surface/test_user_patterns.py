@@ -775,7 +775,9 @@ def test_users_backward_hooks_neither_run_nor_change_the_result(kind, options):
         ]
         with warnings.catch_warnings():  # torch's own deprecation of the old style
             warnings.simplefilter("ignore")
-            handles.append(net.act.register_backward_hook(lambda m, gi, go: ran.append("old")))
+            handles.append(
+                net.act.register_backward_hook(lambda m, gi, go: ran.append("old"))
+            )
     else:
         handles = [
             nn.modules.module.register_module_full_backward_hook(module_hook),
