@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 __all__ = [
     "BatchNormBase",
     "active_modes",
+    "as_hooks_leave_it",
     "Edge",
     "Gather",
     "GradientEdge",
@@ -756,6 +757,26 @@ def parameter_hooks_off(params: Sequence[Tensor]) -> contextlib.AbstractContextM
         A context manager.
     """
     return _muted([getattr(p, "_backward_hooks", None) for p in params])
+
+
+def as_hooks_leave_it(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` after the parameter's gradient hooks, in order, as ``backward`` runs them.
+
+    For code that sets ``.grad`` itself in place of a ``loss.backward()`` (the optimizer's
+    closure): a user's clipping hook then acts on its steps as on the others.
+
+    Args:
+        param: The parameter.
+        grad: Its gradient, shaped as the parameter.
+
+    Returns:
+        What the last hook returned (``grad`` where none returned anything).
+    """
+    for hook in list((getattr(param, "_backward_hooks", None) or {}).values()):
+        result = hook(grad)
+        if result is not None:
+            grad = result
+    return grad
 
 
 def module_backward_hooks_off(model: torch.nn.Module) -> contextlib.AbstractContextManager:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, loss_grad_and_diag_ggn
+from ggnchunk._autograd import as_hooks_leave_it
 
 __all__ = ["DiagGGNOptimizer"]
 
@@ -159,7 +160,7 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
         """Whether the next step should refresh the curvature (every ``update_every``)."""
         _, param, group = self._named()[0]
         state = self.state.get(param, {})
-        if "curvature" not in state:
+        if "curvature" not in state or "step" not in state:  # (a closure run alone)
             return True
         return int(state["step"].item()) % group["update_every"] == 0
 
@@ -203,7 +204,8 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
             )
             params = dict(model.named_parameters())
             for name, value in grad.items():
-                params[name].grad = value
+                # the gradient hooks loss.backward() would have run (clipping, say)
+                params[name].grad = as_hooks_leave_it(params[name], value)
             self.update_curvature(diag)
             return loss
 

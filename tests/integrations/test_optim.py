@@ -103,3 +103,30 @@ def test_curvature_by_order_and_shape_checks():
     bad["0.bias"] = torch.zeros(3)
     with pytest.raises(ValueError, match="shape"):
         by_name.update_curvature(bad)
+
+
+def test_the_closure_runs_the_parameters_gradient_hooks_on_every_step():
+    """A clipping hook acts on the steps that compute curvature as on the others.
+
+    The closure sets ``.grad`` from ``loss_grad_and_diag_ggn`` (whose gradient is the
+    loss's, hooks muted) where a plain step runs ``loss.backward()`` (hooks run).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    x = torch.randn(32, 6, dtype=torch.float64)
+    y, loss_func = torch.sin(x), nn.MSELoss()
+    handles = [p.register_hook(lambda g: g.clamp(-1e-3, 1e-3)) for p in model.parameters()]
+    handles.append(model[0].weight.register_hook(lambda g: g * 2))  # after the clip
+    try:
+        expected = torch.autograd.grad(loss_func(model(x), y), list(model.parameters()))
+        opt = DiagGGNOptimizer(model.parameters(), update_every=2)
+        closure = opt.closure(model, loss_func, x, y)
+        assert opt.curvature_due
+        closure()  # curvature due: loss_grad_and_diag_ggn
+        for param, grad in zip(model.parameters(), expected, strict=True):
+            assert torch.allclose(param.grad, grad, rtol=1e-12, atol=0)
+        assert opt.curvature_due  # (a closure run outside step() counts no step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert float(expected[0].abs().max()) == 2e-3  # the hooks did act
