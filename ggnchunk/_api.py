@@ -19,6 +19,7 @@ from ggnchunk._checks import (
     Batch,
     check_batch,
     check_positive_int,
+    random_state_kept_on_error,
     usable,
     warnings_once,
 )
@@ -653,11 +654,13 @@ def _compute(
 ) -> tuple[Quantity, Tensor, list[Tensor], GGNReport]:  # fmt: skip
     """:func:`_compute_parts` with the parameters' gradient hooks muted (restored after).
 
+    A call that raises leaves torch's random state as it was before it.
+
     The GGN (and the loss gradient returned with it) is the model function's: a
     clipping hook on a parameter would otherwise change the products of the parameters
     the glue's backward reaches, and not those of layers with rules.
     """
-    with parameter_hooks_off(problem.params):
+    with random_state_kept_on_error(problem.device), parameter_hooks_off(problem.params):
         return _compute_parts(
             problem, batch, targets, options, scale, spec, group, with_gradient, sampling
         )

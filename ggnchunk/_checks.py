@@ -257,6 +257,29 @@ def check_batch(
     return batch
 
 
+@contextlib.contextmanager
+def random_state_kept_on_error(device: torch.device) -> Iterator[None]:
+    """Torch's random state on the CPU (and ``device``) is put back if the block raises.
+
+    A call refused after its forward pass (a budget too small, samples that influence
+    each other), or interrupted, would otherwise have drawn the forward pass's random
+    numbers (dropout, a VAE's noise) for nothing; a call that returns advances the state
+    as its forward pass did.
+
+    Args:
+        device: The device the model is on.
+    """
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    except BaseException:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        raise
+
+
 # frames a warning passes through between ggnchunk and its caller: torch's decorators
 # (``no_grad``) and ``torch.optim``'s step hooks around ``DiagGGNOptimizer.step``
 _WRAPPERS = frozenset({"torch.utils._contextlib", "torch.optim.optimizer", "contextlib"})

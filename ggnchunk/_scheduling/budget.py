@@ -186,9 +186,12 @@ class BudgetPlanner:
         level = self.executor.settled_level()
         fixed = level + fixed_bound
         if check and fixed + per_index > self.budget:
+            have, need = format_bytes(self.budget), format_bytes(fixed + per_index)
+            if have == need:  # rounded alike ("8.0 MiB, but ... needs up to 8.0 MiB")
+                have, need = f"{self.budget:,} B", f"{math.ceil(fixed + per_index):,} B"
             raise MemoryBudgetError(
-                f"max_memory is {format_bytes(self.budget)}, but a chunk of 1 of the "
-                f"{self.what} needs up to {format_bytes(fixed + per_index)} above "
+                f"max_memory is {have}, but a chunk of 1 of the "
+                f"{self.what} needs up to {need} above "
                 f"the memory in use before the call ({format_bytes(level)} of it already "
                 f"in use after the forward pass, {format_bytes(per_index)} per "
                 f"{self.what[:-1] if self.what.endswith('s') else self.what}). "

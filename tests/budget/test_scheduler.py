@@ -343,6 +343,17 @@ def test_known_cost_refuses_before_any_work():
     assert calls == []
 
 
+def test_a_refusal_shows_bytes_where_the_sizes_round_alike():
+    """It read "max_memory is 8.0 MiB, but ... needs up to 8.0 MiB" (1,000 B short)."""
+    sim = SimulatedMemory()
+    scheduler = ChunkScheduler(max_memory=8 * MiB, tracker=sim)
+    with pytest.raises(MemoryBudgetError) as refused:
+        scheduler.run(10, sim.run, baseline=0, cost=(8 * MiB - 24, 1024))
+    message = str(refused.value)
+    assert "max_memory is 8,388,608 B" in message, message
+    assert "needs up to 8,389,608 B" in message, message
+
+
 def test_known_cost_asked_again_after_the_first_index_never_refuses_done_work():
     # the first pass leaves memory behind (one-time set-up), so that after it the bound
     # says one index no longer fits: the scheduler goes on with one index per pass

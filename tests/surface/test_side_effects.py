@@ -243,3 +243,51 @@ def test_two_threads_on_one_model_get_exact_results():
     assert len(results) == 6
     for result in results:
         assert_diag_close(result, expected, rtol=1e-5)
+
+
+class _Noisy(nn.Module):
+    """Dropout in forward; ``couple``: each sample's output also reads the batch's mean."""
+
+    def __init__(self, couple: bool = False):
+        super().__init__()
+        self.lin, self.out, self.couple = nn.Linear(6, 8), nn.Linear(8, 6), couple
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(torch.tanh(self.lin(x)), 0.5, training=True)
+        return self.out(h - h.mean(0) if self.couple else h)
+
+
+@pytest.mark.parametrize("failure", ["budget", "coupled", "interrupt"])
+def test_a_call_that_raises_leaves_the_random_state_as_it_was(failure, monkeypatch):
+    """A call refused after its forward pass had drawn its dropout masks for nothing.
+
+    A call that returns advances the random state as its forward pass did (the README's
+    promise); one that raises (a budget too small, samples that influence each other,
+    Ctrl-C in a sweep) leaves it as before the call.
+    """
+    torch.manual_seed(0)
+    model = _Noisy(couple=failure == "coupled")
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    kwargs = {"max_memory": 1024} if failure == "budget" else {}
+    if failure == "interrupt":
+        real = torch.autograd.grad
+
+        def interrupted(*args, **kw):
+            if kw.get("is_grads_batched"):
+                raise KeyboardInterrupt
+            return real(*args, **kw)
+
+        monkeypatch.setattr(torch.autograd, "grad", interrupted)
+    state = torch.get_rng_state()
+    expected = {"budget": ggnchunk.MemoryBudgetError, "coupled": ValueError,
+                "interrupt": KeyboardInterrupt}[failure]  # fmt: skip
+    with pytest.raises(expected):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **kwargs)
+    assert torch.equal(torch.get_rng_state(), state)
+    monkeypatch.undo()
+    if failure != "coupled":  # and a call that returns draws as one forward pass
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        model(x)
+        assert torch.equal(torch.get_rng_state(), after)
