@@ -190,6 +190,18 @@ def test_training_step_after_a_call_has_no_hooks_to_run():
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
 
 
+def _interrupt_the_sweeps(monkeypatch) -> None:
+    """Ctrl-C at the first batched backward (a sweep), as a user's would come."""
+    real = torch.autograd.grad
+
+    def interrupted(*args, **kwargs):
+        if kwargs.get("is_grads_batched"):
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", interrupted)
+
+
 @pytest.mark.parametrize("where", ["forward", "sweep"])
 def test_keyboard_interrupt_leaves_nothing_behind(monkeypatch, where):
     """Ctrl-C inside the user's forward or inside a backward sweep: all restored."""
@@ -201,14 +213,7 @@ def test_keyboard_interrupt_leaves_nothing_behind(monkeypatch, where):
         )
         before = _snapshot(model)
     else:
-        real = torch.autograd.grad
-
-        def interrupted(*args, **kwargs):
-            if kwargs.get("is_grads_batched"):
-                raise KeyboardInterrupt
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, "grad", interrupted)
+        _interrupt_the_sweeps(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         ggnchunk.diag_ggn(model, nn.MSELoss(), X, Y, num_chunks=2)
     assert _snapshot(model) == before
@@ -270,14 +275,7 @@ def test_a_call_that_raises_leaves_the_random_state_as_it_was(failure, monkeypat
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     kwargs = {"max_memory": 1024} if failure == "budget" else {}
     if failure == "interrupt":
-        real = torch.autograd.grad
-
-        def interrupted(*args, **kw):
-            if kw.get("is_grads_batched"):
-                raise KeyboardInterrupt
-            return real(*args, **kw)
-
-        monkeypatch.setattr(torch.autograd, "grad", interrupted)
+        _interrupt_the_sweeps(monkeypatch)
     state = torch.get_rng_state()
     expected = {"budget": ggnchunk.MemoryBudgetError, "coupled": ValueError,
                 "interrupt": KeyboardInterrupt}[failure]  # fmt: skip
