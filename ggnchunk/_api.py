@@ -777,19 +777,18 @@ def _compute_parts(
                 )
         report.windowed = report.windowed or run.windowed_passes > 0
         report.window_ends.update(run.window_ends)
-        if with_gradient:
+        # the sub-batch's loss is its own mean: back to the sum, then to the scale (0
+        # where a mean has no target in the sub-batch, every one ignored: its loss and
+        # gradient are 0/0, and it adds nothing to the batch's)
+        weight = scale * (
+            float(problem.handler.normalizer(problem.loss_func, sub_targets))
+            if mean else 1
+        )  # fmt: skip
+        if with_gradient and weight != 0:
             grads = run.gradient()
         run.close()
-        if run.loss is not None:
-            # the sub-batch's loss is its own mean: back to the sum, then to the scale
-            weight = scale * (
-                float(problem.handler.normalizer(problem.loss_func, sub_targets))
-                if mean else 1
-            )  # fmt: skip
-            # (none where a mean has no target in the sub-batch, every one ignored: its
-            # loss and gradient are 0/0, and it adds nothing to the batch's)
-            if weight != 0:
-                loss += weight * run.loss
+        if run.loss is not None and weight != 0:
+            loss += weight * run.loss
         if merged is None:
             merged = quantity  # no second parameter-sized buffer for one sub-batch
         else:
