@@ -504,9 +504,10 @@ def on_columns(
 
     The column count comes from :func:`batched_grad`: this thread's own, or, where
     autograd runs the backward on another thread (a CUDA graph's, on the device's
-    thread), the count open at the batching's level, used only where exactly one is
-    open there and the columns come out of the batching as plain tensors (else the
-    leading axis of one: slower, never wrong).
+    thread, where the batching's nesting level is not seen either), the one level and
+    count open in any thread, used only where exactly one pair is open and the columns
+    come out of the batching as plain tensors (else the leading axis of one: slower,
+    never wrong).
 
     Args:
         grads: The node's output gradients (one column's view of them).
@@ -519,13 +520,15 @@ def on_columns(
     count = getattr(_COLUMNS, "count", None)
     here = count is not None  # this thread's own batched backward (the CPU's)
     if grads and all(_legacy_batched(g) for g in grads):
-        level = _vmap_level()
-        if not here:
+        if here:
+            level = _vmap_level()
+        else:
             # another thread's (a CUDA device thread runs the backward of the caller's
-            # call): its count by the level, where exactly one count is open there
+            # call). The batching's nesting is a thread-local too (0 on that thread), so
+            # the level and the count are the one pair open in any thread, if only one is
             with _LOCK:
-                counts = set(_BY_LEVEL.get(level, ()))
-            count = counts.pop() if len(counts) == 1 else None
+                pairs = {(lvl, c) for lvl, counts in _BY_LEVEL.items() for c in counts}
+            level, count = pairs.pop() if len(pairs) == 1 else (None, None)
         if count is not None:
             columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
             if all(
