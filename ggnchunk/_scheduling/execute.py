@@ -160,6 +160,9 @@ class Executor:
         # above this level (bytes above the baseline), memory is settled before a pass
         self.settle_above: int | None = None
         self._largest_failed = 0
+        # lifts the allocator's cap of a budget (one index that does not fit under it
+        # runs above the budget, as it would uncapped, and is warned of as any overshoot)
+        self.lift_cap: Callable[[], None] | None = None
 
     def level(self) -> int:
         """Bytes in use above the baseline now."""
@@ -207,10 +210,20 @@ class Executor:
             try:
                 done.append(self._once(a, b))
             except BaseException as error:
-                if not (self.recover_oom and is_out_of_memory(error)) or b - a == 1:
+                oom = is_out_of_memory(error)
+                capped = self.lift_cap is not None and oom
+                if not (capped or (self.recover_oom and oom)) or (
+                    b - a == 1 and not capped
+                ):
                     raise
                 failed = True
-            if failed:  # outside the except block: the failed pass's tensors are freed
+            if failed and b - a == 1:  # only under the budget's cap: lifted, run again
+                self.lift_cap, lift = None, self.lift_cap
+                lift()
+                if self.release is not None:
+                    self.release()
+                pending.insert(0, (a, b))
+            elif failed:  # outside the except block: the failed pass's tensors are freed
                 if self.release is not None:
                     self.release()
                 self.report.out_of_memory_splits += 1

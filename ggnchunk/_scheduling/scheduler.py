@@ -10,6 +10,7 @@ with out-of-memory splitting (:mod:`~ggnchunk._scheduling.execute`), the budget 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -208,7 +209,19 @@ class ChunkScheduler:
                 budget = int(0.9 * (backend.free() + executor.level()))
             report.budget_bytes = budget
             planner = BudgetPlanner(executor, budget, total, type(backend))
-            _run_adaptive(planner, self.mode, self.cache_key, cost)
+            # a given budget caps the device's allocator (cuDNN's workspaces are sized
+            # from the free device memory, which no bound or measurement sees ahead)
+            cap = (
+                backend.capped(baseline + budget)
+                if self.budget is not None and isinstance(tracker, MemoryBackend)
+                else contextlib.nullcontext(None)
+            )
+            with cap as lift:
+                executor.lift_cap = lift
+                try:
+                    _run_adaptive(planner, self.mode, self.cache_key, cost)
+                finally:
+                    executor.lift_cap = None
         executor.warn_if_recovered()
         return executor.result, report
 

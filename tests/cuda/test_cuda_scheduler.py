@@ -226,3 +226,148 @@ def test_measure_peak_memory_sees_peaks_before_the_schedulers_own_resets(
     fake.free(500)
     tracker.measure(lambda: None)
     assert fake.peak == 1000
+
+
+class CappedCudnn(FakeAllocator):
+    """The caching allocator with a per-process fraction, and cuDNN's workspaces.
+
+    A pass allocates its own bytes, then a workspace: the algorithm cuDNN wants (sized
+    from the free device memory: ``wish``, large above ``jump`` columns) where the
+    allocator gives it, else a smaller algorithm's (cuDNN halves its request until an
+    allocation succeeds). The allocator serves a request from its cached free blocks
+    where one is large enough, cap or not; a new segment only under the cap (after
+    giving the cached blocks back). Own bytes that do not fit raise its out-of-memory
+    error.
+    """
+
+    total = 100 * 2**30
+
+    def __init__(self, per_index=MiB, jump=256, wish=6 * 2**30, small=MiB):
+        super().__init__()
+        self.per_index, self.jump, self.wish, self.small = per_index, jump, wish, small
+        self.fraction, self.fractions = 1.0, []
+        self.cached = 0  # free blocks the cache holds (reserved, not allocated)
+
+    def install(self, monkeypatch):
+        super().install(monkeypatch)
+        cuda = torch.cuda
+        monkeypatch.setattr(
+            cuda, "get_per_process_memory_fraction", lambda *a: self.fraction
+        )
+        monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.total, self.total))
+        monkeypatch.setattr(
+            cuda, "memory_reserved", lambda *a: self.allocated + self.cached
+        )
+
+        def empty_cache():
+            self.cached = 0
+
+        def set_fraction(fraction, *args):
+            self.fraction = fraction
+            self.fractions.append(fraction)
+
+        monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+        monkeypatch.setattr(cuda, "set_per_process_memory_fraction", set_fraction)
+
+    def grab(self, size) -> bool:
+        cap = self.fraction * self.total
+        if size <= self.cached:  # a cached free block serves it
+            self.cached -= size
+        elif self.allocated + self.cached + size <= cap:  # a new segment
+            pass
+        elif self.allocated + size <= cap:  # the cached blocks given back, then one
+            self.cached = 0
+        else:
+            return False
+        self.alloc(size)
+        return True
+
+    def release(self, size):
+        self.free(size)
+        self.cached += size
+
+    def run(self, start, stop):
+        size = stop - start
+        own = self.per_index * size
+        if not self.grab(own):
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory (the cap)")
+        workspace = self.wish if size > self.jump else self.small
+        while workspace and not self.grab(workspace):  # cuDNN halves its request
+            workspace //= 2
+        self.release(workspace)
+        self.release(own)
+        return torch.tensor(float(sum(range(start, stop))))
+
+
+@pytest.mark.parametrize("cached", [0, 8 * 2**30], ids=["empty-cache", "cached-blocks"])
+@pytest.mark.parametrize("tracker", ["none", "backend"], ids=["scheduler", "diag_ggn"])
+def test_a_budget_caps_the_allocator_so_cudnns_workspaces_fit(tracker, cached):
+    """The workspaces of cuDNN jump (6.5 GiB at 510 columns, 2 GiB budget, H200).
+
+    No bound or measurement sees the jump ahead; under the budget's cap on the allocator
+    cuDNN falls back to an algorithm that fits, so no chunk goes above the budget, in
+    the call that grows and in the next one (which started at an untried size before).
+    The user's fraction is put back. ``diag_ggn`` hands the scheduler a backend of its
+    own as the tracker (the first GPU check of the cap found it uncapped there). Free
+    blocks an earlier uncapped call left in the cache would serve a workspace under any
+    cap (the second GPU check): they are released first.
+    """
+    sim = CappedCudnn()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        sim.alloc(300 * MiB)  # the forward pass's tensors (the baseline)
+        sim.cached = cached  # an earlier one-pass call's workspace, freed to the cache
+        budget = 2000 * MiB
+        scheduler = ChunkScheduler(
+            max_memory=budget, device="cuda", cache_key="cudnn",
+            tracker=CudaMemory(torch.device("cuda")) if tracker == "backend" else None,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MemoryBudgetWarning)
+            for _ in range(2):
+                total, report = scheduler.run(1000, sim.run, cost=(8 * MiB, MiB))
+                assert total.item() == sum(range(1000))
+                assert all(c.peak_extra_bytes <= budget for c in report.chunks), [
+                    (c.stop - c.start, c.peak_extra_bytes / MiB) for c in report.chunks
+                ]
+                assert max(c.stop - c.start for c in report.chunks) > sim.jump
+                assert sim.fraction == 1.0  # put back
+        assert sim.fractions[0] == pytest.approx((300 * MiB + budget) / sim.total)
+
+
+def test_the_users_tighter_fraction_stays_and_the_cap_is_lifted_after_an_error():
+    sim = CappedCudnn()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        sim.fraction = 0.001  # the user's own: 102 MiB of 100 GiB, tighter than the cap
+        scheduler = ChunkScheduler(max_memory="2GiB", device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MemoryBudgetWarning)
+            scheduler.run(200, sim.run, cost=(8 * MiB, MiB))
+        assert sim.fractions == [] and sim.fraction == 0.001
+        sim.fraction = 1.0
+
+        def failing(start, stop):
+            if start >= 10:
+                raise KeyboardInterrupt
+            return sim.run(start, stop)
+
+        with pytest.raises(KeyboardInterrupt):
+            scheduler.run(200, failing, cost=(8 * MiB, MiB))
+        assert len(sim.fractions) == 2 and sim.fraction == 1.0
+
+
+def test_one_index_above_the_cap_runs_uncapped_with_a_warning():
+    """One index that does not fit under the cap runs as it would without one.
+
+    (The bound understated it.) It runs above the budget and is warned of.
+    """
+    sim = CappedCudnn(per_index=300 * MiB)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        scheduler = ChunkScheduler(max_memory="200MiB", device="cuda")
+        with pytest.warns(MemoryBudgetWarning, match="above the 200.0 MiB budget"):
+            total, report = scheduler.run(3, sim.run, cost=(8 * MiB, MiB))
+        assert total.item() == 3
+        assert [c.stop - c.start for c in report.chunks] == [1, 1, 1]
+        assert sim.fraction == 1.0
