@@ -235,25 +235,40 @@ class CudaMemory(MemoryBackend):
         (measured on an H200: one pass of a 28x28 autoencoder at 10 GiB with cuDNN,
         0.2 GiB without; a 2 GiB budget peaked at 6.5 GiB uncapped, 150 MiB capped).
         The fraction is the process's for the block: the user's own fraction, where
-        tighter, stays. Where the allocator already holds more than ``limit``, its
-        cached free blocks are released first (the cap limits only new segments).
+        tighter, stays, and comes back when the last budgeted call on the device ends
+        (calls in several threads: the tightest open cap applies). Where the allocator
+        already holds more than ``limit``, its cached free blocks are released first
+        (the cap limits only new segments).
         """
         index = _cuda_index(self.device)
         try:
-            previous = torch.cuda.get_per_process_memory_fraction(index)
             total = torch.cuda.mem_get_info(index)[1]
+            with _CAP_LOCK:
+                user = _USER_FRACTION.get(index)
+                if user is None:
+                    user = torch.cuda.get_per_process_memory_fraction(index)
         except (AttributeError, RuntimeError):  # an allocator backend without a cap
             yield None
             return
         fraction = min(1.0, max(0.0, limit / total))
-        if fraction >= previous:
+        if fraction >= user:  # the user's own cap is tighter
             yield None
             return
+        entry = [fraction]  # this block's, by identity (two calls may cap alike)
+        with _CAP_LOCK:
+            active = _CAPS.setdefault(index, [])
+            if not active:
+                _USER_FRACTION[index] = user
+            active.append(entry)
+            _apply_caps(index)
 
         def lift() -> None:
-            torch.cuda.set_per_process_memory_fraction(previous, index)
+            with _CAP_LOCK:
+                active = _CAPS.get(index, [])
+                if any(e is entry for e in active):
+                    active[:] = [e for e in active if e is not entry]
+                    _apply_caps(index)
 
-        torch.cuda.set_per_process_memory_fraction(fraction, index)
         if torch.cuda.memory_reserved(index) > limit:
             # the cap holds back new segments only: free blocks the cache already holds
             # (an earlier uncapped call's workspaces) would still serve any request
@@ -262,6 +277,25 @@ class CudaMemory(MemoryBackend):
             yield lift
         finally:
             lift()
+
+
+# the caps of budgeted calls open in any thread, per device index, and the fraction the
+# user had before the first of them: the tightest open cap applies, and the user's
+# fraction comes back when the last one ends, in whatever order calls end
+_CAPS: dict[int, list[list[float]]] = {}
+_USER_FRACTION: dict[int, float] = {}
+_CAP_LOCK = threading.Lock()
+
+
+def _apply_caps(index: int) -> None:
+    """Set the tightest open cap of device ``index``, or the user's fraction (locked)."""
+    active = _CAPS.get(index)
+    if active:
+        fraction = min(min(e[0] for e in active), _USER_FRACTION[index])
+    else:
+        _CAPS.pop(index, None)
+        fraction = _USER_FRACTION.pop(index)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 # -- the host: the process's resident set size -----------------------------------------

@@ -371,3 +371,24 @@ def test_one_index_above_the_cap_runs_uncapped_with_a_warning():
         assert total.item() == 3
         assert [c.stop - c.start for c in report.chunks] == [1, 1, 1]
         assert sim.fraction == 1.0
+
+
+def test_caps_of_calls_in_several_threads_end_in_any_order():
+    """The tightest open cap applies; the user's fraction comes back after the last."""
+    from ggnchunk._memory import backends
+
+    sim = CappedCudnn()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        sim.fraction = 0.5  # the user's own
+        device = CudaMemory(torch.device("cuda"))
+        wide, tight = device.capped(20 * 2**30), device.capped(10 * 2**30)
+        wide.__enter__()
+        assert sim.fraction == pytest.approx(0.2)
+        tight.__enter__()
+        assert sim.fraction == pytest.approx(0.1)
+        wide.__exit__(None, None, None)  # the first call ends first
+        assert sim.fraction == pytest.approx(0.1)
+        tight.__exit__(None, None, None)
+        assert sim.fraction == 0.5
+        assert backends._CAPS == {} and backends._USER_FRACTION == {}
