@@ -269,11 +269,11 @@ class CudaMemory(MemoryBackend):
                     active[:] = [e for e in active if e is not entry]
                     _apply_caps(index)
 
-        if torch.cuda.memory_reserved(index) > limit:
-            # the cap holds back new segments only: free blocks the cache already holds
-            # (an earlier uncapped call's workspaces) would still serve any request
-            torch.cuda.empty_cache()
         try:
+            if torch.cuda.memory_reserved(index) > limit:
+                # the cap holds back new segments only: free blocks the cache already
+                # holds (an earlier uncapped call's workspaces) would serve any request
+                torch.cuda.empty_cache()
             yield lift
         finally:
             lift()
