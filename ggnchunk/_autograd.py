@@ -504,10 +504,9 @@ def on_columns(
 
     The column count comes from :func:`batched_grad`: this thread's own, or, where
     autograd runs the backward on another thread (a CUDA graph's, on the device's
-    thread, where the batching's nesting level is not seen either), the one level and
-    count open in any thread, used only where exactly one pair is open and the columns
-    come out of the batching as plain tensors (else the leading axis of one: slower,
-    never wrong).
+    thread, where the batching's nesting level is not seen either), the (level, count)
+    pair open in any thread whose unwrapping gives plain columns of that count (else
+    the leading axis of one: slower, never wrong).
 
     Args:
         grads: The node's output gradients (one column's view of them).
@@ -521,15 +520,17 @@ def on_columns(
     here = count is not None  # this thread's own batched backward (the CPU's)
     if grads and all(_legacy_batched(g) for g in grads):
         if here:
-            level = _vmap_level()
+            candidates = [(_vmap_level(), count)]
         else:
             # another thread's (a CUDA device thread runs the backward of the caller's
-            # call). The batching's nesting is a thread-local too (0 on that thread), so
-            # the level and the count are the one pair open in any thread, if only one is
+            # call). The batching's nesting is a thread-local too (0 on that thread):
+            # each (level, count) pair open in any thread is tried, and the one whose
+            # unwrapping gives plain columns of its count is this backward's
             with _LOCK:
-                pairs = {(lvl, c) for lvl, counts in _BY_LEVEL.items() for c in counts}
-            level, count = pairs.pop() if len(pairs) == 1 else (None, None)
-        if count is not None:
+                candidates = sorted(
+                    {(lvl, c) for lvl, counts in _BY_LEVEL.items() for c in counts}
+                )
+        for level, count in candidates:
             columns = [torch._remove_batch_dim(g, level, count, 0) for g in grads]
             if all(
                 c.shape == (count, *g.shape) and (here or not _legacy_batched(c))
