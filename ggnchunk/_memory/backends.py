@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 __all__ = [
+    "Cap",
     "CudaMemory",
     "HostMemory",
     "MemoryBackend",
@@ -131,7 +132,7 @@ class MemoryBackend:
         """Give cached free blocks back after running out of memory."""
 
     @contextlib.contextmanager
-    def capped(self, limit: int) -> Iterator[Callable[[], None] | None]:
+    def capped(self, limit: int) -> Iterator[Cap | None]:
         """Hold the device's allocator to ``limit`` bytes while the block runs.
 
         Where a library sizes scratch memory from what the device has free (cuDNN's
@@ -142,9 +143,9 @@ class MemoryBackend:
             limit: Bytes the allocator may hold in all.
 
         Yields:
-            A function that lifts the cap before the block ends (for one index that
-            does not fit under it: it then runs above the budget, with a warning), or
-            ``None`` where nothing is capped.
+            The :class:`Cap` (whose ``lifted()`` runs a pass without it: one that
+            does not fit under it runs as it would uncapped, and is measured and warned
+            of), or ``None`` where nothing is capped.
         """
         yield None
 
@@ -227,75 +228,113 @@ class CudaMemory(MemoryBackend):
         torch.cuda.empty_cache()
 
     @contextlib.contextmanager
-    def capped(self, limit: int) -> Iterator[Callable[[], None] | None]:
+    def capped(self, limit: int) -> Iterator[Cap | None]:
         """The caching allocator's per-process memory fraction, put back afterwards.
 
         cuDNN sizes a convolution's workspace from the free device memory and falls
         back to algorithms with smaller workspaces where the allocator refuses one
         (measured on an H200: one pass of a 28x28 autoencoder at 10 GiB with cuDNN,
         0.2 GiB without; a 2 GiB budget peaked at 6.5 GiB uncapped, 150 MiB capped).
-        The fraction is the process's for the block: the user's own fraction, where
-        tighter, stays, and comes back when the last budgeted call on the device ends
-        (calls in several threads: the tightest open cap applies). Where the allocator
-        already holds more than ``limit``, its cached free blocks are released first
-        (the cap limits only new segments).
+
+        The fraction limits the bytes the allocator reserves, not those in use: the
+        cache's free blocks are released first (they would serve any request, cap or
+        not), and the cap allows ``limit`` plus the free space left inside segments in
+        use (which the allocator can fill without reserving more). The fraction is the
+        process's while the block runs: the
+        user's own, where tighter, stays and comes back when the last budgeted call on
+        the device ends. Calls open at once in several threads share the loosest of
+        their caps (a tighter one would make the others run out of memory), and none
+        while one of them runs a pass with its cap lifted.
         """
         index = _cuda_index(self.device)
+        unsupported = False
         try:
-            total = torch.cuda.mem_get_info(index)[1]
+            total = torch.cuda.get_device_properties(index).total_memory
             with _CAP_LOCK:
                 user = _USER_FRACTION.get(index)
                 if user is None:
                     user = torch.cuda.get_per_process_memory_fraction(index)
         except (AttributeError, RuntimeError):  # an allocator backend without a cap
+            unsupported = True
+        if unsupported:  # (outside the except: no error chained to the call's own)
             yield None
             return
-        fraction = min(1.0, max(0.0, limit / total))
+        torch.cuda.empty_cache()  # cached free blocks would serve any request, cap or not
+        holes = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        fraction = min(1.0, max(0.0, (limit + max(0, holes)) / total))
         if fraction >= user:  # the user's own cap is tighter
             yield None
             return
-        entry = [fraction]  # this block's, by identity (two calls may cap alike)
-        with _CAP_LOCK:
-            active = _CAPS.setdefault(index, [])
-            if not active:
-                _USER_FRACTION[index] = user
-            active.append(entry)
-            _apply_caps(index)
-
-        def lift() -> None:
+        cap = Cap(index, fraction)
+        try:
+            with _CAP_LOCK:
+                _USER_FRACTION.setdefault(index, user)
+                _CAPS.setdefault(index, []).append(cap)
+                _apply_caps(index)
+            yield cap
+        finally:
             with _CAP_LOCK:
                 active = _CAPS.get(index, [])
-                if any(e is entry for e in active):
-                    active[:] = [e for e in active if e is not entry]
+                active[:] = [c for c in active if c is not cap]
+                if index in _USER_FRACTION:
                     _apply_caps(index)
 
+
+class Cap:
+    """One budgeted call's cap on a CUDA device's allocator (:meth:`CudaMemory.capped`).
+
+    Args:
+        index: The device index.
+        fraction: The share of the device's memory the call allows the allocator.
+    """
+
+    def __init__(self, index: int, fraction: float):
+        self.index, self.fraction, self.lifts = index, fraction, 0
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """Run the block without the cap (no open cap applies meanwhile).
+
+        Yields:
+            Nothing.
+        """
+        with _CAP_LOCK:
+            self.lifts += 1
+            _apply_caps(self.index)
         try:
-            if torch.cuda.memory_reserved(index) > limit:
-                # the cap holds back new segments only: free blocks the cache already
-                # holds (an earlier uncapped call's workspaces) would serve any request
-                torch.cuda.empty_cache()
-            yield lift
+            yield
         finally:
-            lift()
+            with _CAP_LOCK:
+                self.lifts -= 1
+                if self.index in _USER_FRACTION:
+                    _apply_caps(self.index)
 
 
 # the caps of budgeted calls open in any thread, per device index, and the fraction the
-# user had before the first of them: the tightest open cap applies, and the user's
-# fraction comes back when the last one ends, in whatever order calls end
-_CAPS: dict[int, list[list[float]]] = {}
+# user had before the first of them, which comes back when the last one ends, in
+# whatever order calls end
+_CAPS: dict[int, list[Cap]] = {}
 _USER_FRACTION: dict[int, float] = {}
 _CAP_LOCK = threading.Lock()
 
 
 def _apply_caps(index: int) -> None:
-    """Set the tightest open cap of device ``index``, or the user's fraction (locked)."""
+    """Set device ``index``'s fraction from the open caps (under ``_CAP_LOCK``).
+
+    The loosest open cap, the user's fraction where tighter; the user's fraction alone
+    where a call runs a pass with its cap lifted, or where none is open (then the
+    registry of the device is cleared, after the fraction is set).
+    """
     active = _CAPS.get(index)
-    if active:
-        fraction = min(min(e[0] for e in active), _USER_FRACTION[index])
+    user = _USER_FRACTION[index]
+    if not active or any(c.lifts for c in active):
+        fraction = user
     else:
-        _CAPS.pop(index, None)
-        fraction = _USER_FRACTION.pop(index)
+        fraction = min(max(c.fraction for c in active), user)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
+    if not active:
+        _CAPS.pop(index, None)
+        _USER_FRACTION.pop(index, None)
 
 
 # -- the host: the process's resident set size -----------------------------------------

@@ -160,9 +160,11 @@ class Executor:
         # above this level (bytes above the baseline), memory is settled before a pass
         self.settle_above: int | None = None
         self._largest_failed = 0
-        # lifts the allocator's cap of a budget (one index that does not fit under it
-        # runs above the budget, as it would uncapped, and is warned of as any overshoot)
-        self.lift_cap: Callable[[], None] | None = None
+        # the device allocator's cap of a budget (a Cap, whose lifted() runs a pass
+        # without it), or None: a pass that runs out of memory under the cap and may
+        # not be split (one index, or recover_oom off) runs again once uncapped, as it
+        # would have without a cap, and is measured and warned of as any overshoot
+        self.cap: Any = None
 
     def level(self) -> int:
         """Bytes in use above the baseline now."""
@@ -196,6 +198,9 @@ class Executor:
     def run_range(self, start: int, stop: int) -> list[ChunkRecord]:
         """Run ``[start, stop)``, splitting it in halves on out-of-memory errors.
 
+        Under a device allocator's cap (:attr:`cap`), a pass that may not be split
+        (one index, or ``recover_oom`` off) runs once more with the cap lifted.
+
         Args:
             start: First index.
             stop: One past the last index.
@@ -206,30 +211,31 @@ class Executor:
         pending, done = [(start, stop)], []
         while pending:
             a, b = pending.pop(0)
-            failed = False
+            failed = None
             try:
                 done.append(self._once(a, b))
             except BaseException as error:
-                oom = is_out_of_memory(error)
-                capped = self.lift_cap is not None and oom
-                if not (capped or (self.recover_oom and oom)) or (
-                    b - a == 1 and not capped
-                ):
+                if not is_out_of_memory(error):
                     raise
-                failed = True
-            if failed and b - a == 1:  # only under the budget's cap: lifted, run again
-                self.lift_cap, lift = None, self.lift_cap
-                lift()
-                if self.release is not None:
-                    self.release()
-                pending.insert(0, (a, b))
-            elif failed:  # outside the except block: the failed pass's tensors are freed
-                if self.release is not None:
-                    self.release()
-                self.report.out_of_memory_splits += 1
-                self._largest_failed = max(self._largest_failed, b - a)
-                middle = (a + b) // 2
-                pending[:0] = [(a, middle), (middle, b)]
+                if self.cap is not None and (b - a == 1 or not self.recover_oom):
+                    failed = "capped"
+                elif self.recover_oom and b - a > 1:
+                    failed = "split"
+                else:
+                    raise
+            if failed is None:
+                continue
+            # outside the except block: the failed pass's tensors are freed
+            if self.release is not None:
+                self.release()
+            if failed == "capped":  # once more, uncapped (a second failure is raised)
+                with self.cap.lifted():
+                    done.append(self._once(a, b))
+                continue
+            self.report.out_of_memory_splits += 1
+            self._largest_failed = max(self._largest_failed, b - a)
+            middle = (a + b) // 2
+            pending[:0] = [(a, middle), (middle, b)]
         return done
 
     def warn_if_recovered(self) -> None:

@@ -80,6 +80,13 @@ class ChunkScheduler:
     already done are kept); a single index that runs out of memory raises. ``fn`` must
     leave no partial contribution behind when it raises.
 
+    On CUDA, a ``max_memory`` caps the process's caching allocator while the chunks run
+    (its per-process memory fraction, at ``baseline`` plus the budget; put back
+    afterwards), so that libraries which size scratch memory from the free device
+    memory (cuDNN's workspaces) stay within it. A chunk that cannot be split (one
+    index, or ``recover_oom=False``) and runs out of memory under the cap runs once
+    more without it. A ``tracker`` of your own gets no cap.
+
     Args:
         num_chunks: Fixed number of chunks.
         chunk_size: Fixed largest chunk size, or ``"auto"``.
@@ -212,16 +219,15 @@ class ChunkScheduler:
             # a given budget caps the device's allocator (cuDNN's workspaces are sized
             # from the free device memory, which no bound or measurement sees ahead)
             cap = (
-                backend.capped(baseline + budget)
+                tracker.capped(baseline + budget)
                 if self.budget is not None and isinstance(tracker, MemoryBackend)
                 else contextlib.nullcontext(None)
             )
-            with cap as lift:
-                executor.lift_cap = lift
+            with cap as executor.cap:
                 try:
                     _run_adaptive(planner, self.mode, self.cache_key, cost)
                 finally:
-                    executor.lift_cap = None
+                    executor.cap = None
         executor.warn_if_recovered()
         return executor.result, report
 

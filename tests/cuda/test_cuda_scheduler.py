@@ -255,6 +255,8 @@ class CappedCudnn(FakeAllocator):
             cuda, "get_per_process_memory_fraction", lambda *a: self.fraction
         )
         monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.total, self.total))
+        properties = type("Properties", (), {"total_memory": self.total})()
+        monkeypatch.setattr(cuda, "get_device_properties", lambda *a: properties)
         monkeypatch.setattr(
             cuda, "memory_reserved", lambda *a: self.allocated + self.cached
         )
@@ -312,6 +314,8 @@ def test_a_budget_caps_the_allocator_so_cudnns_workspaces_fit(tracker, cached):
     blocks an earlier uncapped call left in the cache would serve a workspace under any
     cap (the second GPU check): they are released first.
     """
+    from ggnchunk._memory import backends
+
     sim = CappedCudnn()
     with pytest.MonkeyPatch.context() as monkeypatch:
         sim.install(monkeypatch)
@@ -332,7 +336,9 @@ def test_a_budget_caps_the_allocator_so_cudnns_workspaces_fit(tracker, cached):
                 ]
                 assert max(c.stop - c.start for c in report.chunks) > sim.jump
                 assert sim.fraction == 1.0  # put back
-        assert sim.fractions[0] == pytest.approx((300 * MiB + budget) / sim.total)
+        expected = (300 * MiB + budget) / sim.total
+        assert sim.fractions[0] == pytest.approx(expected)
+        assert backends._CAPS == {} and backends._USER_FRACTION == {}
 
 
 def test_the_users_tighter_fraction_stays_and_the_cap_is_lifted_after_an_error():
@@ -374,7 +380,7 @@ def test_one_index_above_the_cap_runs_uncapped_with_a_warning():
 
 
 def test_caps_of_calls_in_several_threads_end_in_any_order():
-    """The tightest open cap applies; the user's fraction comes back after the last."""
+    """The loosest open cap applies; the user's fraction comes back after the last."""
     from ggnchunk._memory import backends
 
     sim = CappedCudnn()
@@ -386,9 +392,96 @@ def test_caps_of_calls_in_several_threads_end_in_any_order():
         wide.__enter__()
         assert sim.fraction == pytest.approx(0.2)
         tight.__enter__()
-        assert sim.fraction == pytest.approx(0.1)
+        assert sim.fraction == pytest.approx(0.2)  # not the tighter one
         wide.__exit__(None, None, None)  # the first call ends first
         assert sim.fraction == pytest.approx(0.1)
         tight.__exit__(None, None, None)
         assert sim.fraction == 0.5
+        assert backends._CAPS == {} and backends._USER_FRACTION == {}
+
+
+def test_a_call_under_another_calls_tighter_cap_does_not_run_out_of_memory():
+    """Two budgeted calls at once (two threads): neither fails where it would uncapped.
+
+    One index of the second call needs 1.5 GiB; the first call's cap alone would allow
+    1 GiB. The loosest open cap applies, and a pass with its cap lifted runs under none.
+    """
+    sim = CappedCudnn(per_index=1536 * MiB, wish=0, small=0)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        other = CudaMemory(torch.device("cuda")).capped(2**30)
+        other.__enter__()  # another thread's call, open throughout
+        try:
+            for budget in ("4GiB", "1200MiB"):  # looser than the other's, and tighter
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", MemoryBudgetWarning)
+                    total, _ = ChunkScheduler(max_memory=budget, device="cuda").run(
+                        3, sim.run, cost=(8 * MiB, MiB)
+                    )
+                assert total.item() == 3
+                assert sim.fraction == pytest.approx(2**30 / sim.total)
+        finally:
+            other.__exit__(None, None, None)
+        assert sim.fraction == 1.0
+
+
+class JumpingOwnBytes(CappedCudnn):
+    """Above ``jump`` indices a pass's own bytes are 8x (another kernel's buffers)."""
+
+    def run(self, start, stop):
+        if stop - start > self.jump:
+            self.per_index, per_index = 8 * self.per_index, self.per_index
+            try:
+                return super().run(start, stop)
+            finally:
+                self.per_index = per_index
+        return super().run(start, stop)
+
+
+def test_without_recovery_a_capped_pass_runs_again_uncapped_not_split():
+    """``recover_oom=False`` keeps its meaning under a cap: no chunk is split.
+
+    A chunk that runs out of memory under the cap runs again without it, as it would
+    have run without a cap, and its overshoot is warned of and shrinks the rest.
+    """
+    sim = JumpingOwnBytes(per_index=MiB, jump=16, wish=0, small=0)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        scheduler = ChunkScheduler(max_memory="200MiB", device="cuda", recover_oom=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            total, report = scheduler.run(300, sim.run, cost=(8 * MiB, MiB))
+    assert total.item() == sum(range(300))
+    assert report.out_of_memory_splits == 0
+    assert not [w for w in caught if w.category is OutOfMemoryRecoveryWarning]
+    assert [w for w in caught if w.category is MemoryBudgetWarning]
+    assert max(c.stop - c.start for c in report.chunks) > sim.jump  # ran, uncapped
+    assert sim.fraction == 1.0
+
+
+def test_an_interrupt_while_the_cap_is_set_up_or_lifted_leaves_nothing_capped():
+    from ggnchunk._memory import backends
+
+    sim = CappedCudnn()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim.install(monkeypatch)
+        sim.cached = 8 * 2**30  # the cap empties the cache first
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(torch.cuda, "empty_cache", interrupted)
+        with (
+            pytest.raises(KeyboardInterrupt),
+            CudaMemory(torch.device("cuda")).capped(2**30),
+        ):
+            pass
+        assert sim.fraction == 1.0
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        sim.cached = 0
+        device = CudaMemory(torch.device("cuda"))
+        with pytest.raises(KeyboardInterrupt), device.capped(2**30) as cap, cap.lifted():
+            assert sim.fraction == 1.0
+            raise KeyboardInterrupt
+        assert sim.fraction == 1.0
         assert backends._CAPS == {} and backends._USER_FRACTION == {}

@@ -406,9 +406,9 @@ def test_columns_are_folded_when_the_backward_runs_on_another_thread(
     for level, counts in others.items():
         monkeypatch.setitem(_autograd._BY_LEVEL, level, list(counts))
     problem = _make(case)
+    for module in (_glue_kernels, _attention):  # (before the spy: both undone in order)
+        monkeypatch.setattr(module, "on_columns", _in_another_thread(module.on_columns))
     with folded_paths() as folded, warnings.catch_warnings(record=True) as caught:
-        for module in (_glue_kernels, _attention):
-            monkeypatch.setattr(module, "on_columns", _in_another_thread(module.on_columns))
         warnings.simplefilter("always", ggnchunk.SlowBackwardWarning)
         got = ggnchunk.diag_ggn(
             problem.model, problem.loss_func, problem.inputs, problem.targets,
@@ -419,6 +419,34 @@ def test_columns_are_folded_when_the_backward_runs_on_another_thread(
     assert not slow, slow
     assert all(folded) and (folded or case == "tiny-gpt")
     assert others == _autograd._BY_LEVEL
+
+
+@pytest.mark.parametrize("ours", [1, 2])
+def test_another_threads_backward_unwraps_only_its_own_level(ours, monkeypatch):
+    """Pairs of another level with the same count unwrap to still-batched columns.
+
+    Those have the right shape, so only their being batched still tells them apart:
+    a folded backward must get the plain columns of the tensors' own level (else it
+    would compute on one column's view as if it were all of them).
+    """
+    from ggnchunk import _autograd
+
+    count = 4
+    monkeypatch.setitem(_autograd._BY_LEVEL, 1, [count])
+    monkeypatch.setitem(_autograd._BY_LEVEL, 2, [count])
+    x = torch.randn(count, 3, dtype=torch.float64)
+    grad = torch._add_batch_dim(x, 0, ours)
+    received = []
+
+    def backward(columns):
+        received.append(columns)
+        return (2 * columns,)
+
+    (result,) = _in_another_thread(_autograd.on_columns)([grad], backward)
+    (columns,) = received
+    assert not _autograd._legacy_batched(columns)
+    torch.testing.assert_close(columns, x, rtol=0, atol=0)
+    torch.testing.assert_close(torch._remove_batch_dim(result, ours, count, 0), 2 * x)
 
 
 def test_frozen_layers_use_their_rules(monkeypatch):
