@@ -9,8 +9,11 @@ pass took 10.0 GiB with cuDNN and 0.2 GiB without: cuDNN sizes a convolution's w
 from the device's free memory, which no bound sees. This prints, as one JSON object:
 
 - the one-pass peak with cuDNN, without it, and after ``empty_cache`` (MiB);
-- two budgeted calls in a row at ``share`` of the one-pass peak: their chunk sizes,
-  each chunk's peak (MiB), the call's peak, the time and the warnings;
+- three budgeted calls in a row at ``share`` of the one-pass peak (the third after an
+  uncapped one pass, whose workspaces the allocator caches): their chunk sizes, each
+  chunk's peak (MiB), the call's peak, the time, the warnings, the passes split or run
+  again uncapped after running out of memory under the allocator's cap, and the
+  allocator's fraction afterwards;
 - whether the folded glue took all columns at once (``on_columns`` on the device
   thread, see ``ggnchunk._autograd``).
 
@@ -76,7 +79,14 @@ def budgets(problem: str, scale: int, share: float) -> dict[str, Any]:
     )[0]
     budget = int(share * out["one_pass_mib"] * MiB)
     out["budget_mib"] = budget / MiB
-    for label in ("budgeted_first", "budgeted_again"):
+    for label in ("budgeted_first", "budgeted_again", "budgeted_after_uncapped"):
+        if label == "budgeted_after_uncapped":
+            # an uncapped call's workspaces left in the allocator's cache, as a test
+            # process has them (the second loan: 6.98 GB under a 2 GiB budget there)
+            ggnchunk.diag_ggn(model, loss, x, y)
+            out["cached_before_mib"] = round(
+                (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / MiB, 1
+            )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             start = time.perf_counter()
@@ -92,6 +102,9 @@ def budgets(problem: str, scale: int, share: float) -> dict[str, Any]:
             "peak_mib": round(peak, 1),
             "sizes": [c.stop - c.start for c in chunks],
             "chunk_peaks_mib": [round((c.peak_extra_bytes or 0) / MiB, 1) for c in chunks],
+            "oom_splits": report.schedules[0].out_of_memory_splits,
+            "uncapped_passes": report.schedules[0].uncapped_passes,
+            "fraction_after": torch.cuda.get_per_process_memory_fraction(),
             "warnings": [f"{w.category.__name__}: {str(w.message)[:160]}" for w in caught],
         }
     out["folded_glue"] = folded_glue_paths("cuda")

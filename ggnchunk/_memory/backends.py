@@ -295,6 +295,9 @@ class Cap:
     def lifted(self) -> Iterator[None]:
         """Run the block without the cap (no open cap applies meanwhile).
 
+        Afterwards the allocator's cached free blocks are released, so that what the
+        block freed does not serve later requests past the cap.
+
         Yields:
             Nothing.
         """
@@ -308,6 +311,9 @@ class Cap:
                 self.lifts -= 1
                 if self.index in _USER_FRACTION:
                     _apply_caps(self.index)
+            # what the uncapped pass freed stays cached and would serve the next passes
+            # past the cap: given back
+            torch.cuda.empty_cache()
 
 
 # the caps of budgeted calls open in any thread, per device index, and the fraction the

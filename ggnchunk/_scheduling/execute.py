@@ -65,6 +65,8 @@ class ScheduleReport:
         budget_bytes: The memory budget, if any.
         chunks: Every completed chunk, in order.
         out_of_memory_splits: How many chunks were split after running out of memory.
+        uncapped_passes: How many passes ran again without the device allocator's cap
+            of a budget after running out of memory under it (CUDA).
         fixed_bytes: Fitted memory of the computation at zero chunk size (budget modes).
         bytes_per_index: Fitted memory per index of a chunk (budget modes).
         from_cache: Whether the decision came from the autotune cache.
@@ -79,6 +81,7 @@ class ScheduleReport:
     budget_bytes: int | None = None
     chunks: list[ChunkRecord] = field(default_factory=list)
     out_of_memory_splits: int = 0
+    uncapped_passes: int = 0
     fixed_bytes: float | None = None
     bytes_per_index: float | None = None
     from_cache: bool = False
@@ -229,6 +232,7 @@ class Executor:
             if self.release is not None:
                 self.release()
             if failed == "capped":  # once more, uncapped (a second failure is raised)
+                self.report.uncapped_passes += 1
                 with self.cap.lifted():
                     done.append(self._once(a, b))
                 continue

@@ -376,6 +376,7 @@ def test_one_index_above_the_cap_runs_uncapped_with_a_warning():
             total, report = scheduler.run(3, sim.run, cost=(8 * MiB, MiB))
         assert total.item() == 3
         assert [c.stop - c.start for c in report.chunks] == [1, 1, 1]
+        assert report.uncapped_passes == 3 and report.out_of_memory_splits == 0
         assert sim.fraction == 1.0
 
 
@@ -452,7 +453,7 @@ def test_without_recovery_a_capped_pass_runs_again_uncapped_not_split():
             warnings.simplefilter("always")
             total, report = scheduler.run(300, sim.run, cost=(8 * MiB, MiB))
     assert total.item() == sum(range(300))
-    assert report.out_of_memory_splits == 0
+    assert report.out_of_memory_splits == 0 and report.uncapped_passes >= 1
     assert not [w for w in caught if w.category is OutOfMemoryRecoveryWarning]
     assert [w for w in caught if w.category is MemoryBudgetWarning]
     assert max(c.stop - c.start for c in report.chunks) > sim.jump  # ran, uncapped
