@@ -240,11 +240,11 @@ class CudaMemory(MemoryBackend):
         cache's free blocks are released first (they would serve any request, cap or
         not), and the cap allows ``limit`` plus the free space left inside segments in
         use (which the allocator can fill without reserving more). The fraction is the
-        process's while the block runs: the
-        user's own, where tighter, stays and comes back when the last budgeted call on
-        the device ends. Calls open at once in several threads share the loosest of
-        their caps (a tighter one would make the others run out of memory), and none
-        while one of them runs a pass with its cap lifted.
+        process's while the block runs: the user's own, where tighter, stays and comes
+        back when the last budgeted call on the device ends. Calls open at once in
+        several threads share the loosest of their caps (a tighter one would make the
+        others run out of memory), and none while one of them runs a pass with its cap
+        lifted.
         """
         index = _cuda_index(self.device)
         unsupported = False
@@ -259,7 +259,7 @@ class CudaMemory(MemoryBackend):
         if unsupported:  # (outside the except: no error chained to the call's own)
             yield None
             return
-        torch.cuda.empty_cache()  # cached free blocks would serve any request, cap or not
+        self.release_cached()  # cached free blocks would serve any request, cap or not
         holes = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
         fraction = min(1.0, max(0.0, (limit + max(0, holes)) / total))
         if fraction >= user:  # the user's own cap is tighter

@@ -6,11 +6,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ggnchunk._checks import user_stacklevel
+
+if TYPE_CHECKING:
+    from ggnchunk._memory.backends import Cap
 
 __all__ = [
     "ChunkRecord",
@@ -167,7 +170,7 @@ class Executor:
         # without it), or None: a pass that runs out of memory under the cap and may
         # not be split (one index, or recover_oom off) runs again once uncapped, as it
         # would have without a cap, and is measured and warned of as any overshoot
-        self.cap: Any = None
+        self.cap: Cap | None = None
 
     def level(self) -> int:
         """Bytes in use above the baseline now."""
