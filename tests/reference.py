@@ -1,9 +1,13 @@
 """Brute-force float64 GGN diagonal with ``torch.func``; shares no code with ggnchunk.
 
 ``diag(sum_n J_n^T H_n J_n)`` with ``J_n`` the Jacobian of sample ``n``'s output w.r.t. all
-trainable parameters (``torch.func.jacrev`` of a one-sample ``functional_call``) and
-``H_n`` the Hessian of the whole batch's loss w.r.t. sample ``n``'s output
-(``torch.func.hessian``), so the loss's reduction enters exactly as torch defines it.
+trainable parameters (``torch.func.jacrev`` of a one-sample ``functional_call``: reverse
+mode, so conventions of torch's backward formulas hold, e.g. an embedding's padding row
+gets no gradient, which forward mode would give one) and ``H_n`` the Hessian of the
+whole batch's loss w.r.t. sample ``n``'s output (``torch.func.hessian``; where the
+parameters are fewer than the outputs, ``H_n J_n`` by forward-over-reverse
+Hessian-vector products along ``J_n``'s columns), so the loss's reduction enters exactly
+as torch defines it.
 
 Inputs are a Tensor (``model(x)``), a tuple/list (``model(*inputs)``) or a dict
 (``model(**inputs)``). A tensor entry whose axis 0 is the batch (as long as ``targets``'s
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, hessian, jacrev
+from torch.func import functional_call, hessian, jacrev, jvp, vmap
 
 Inputs = Tensor | tuple | list | dict
 
@@ -172,21 +176,36 @@ def reference_diag_ggn(
     result = {
         n: torch.zeros(batch, p.numel(), dtype=torch.float64) for n, p in params.items()
     }
+    total = sum(p.numel() for p in params.values())
     for n in range(batch):
 
         def loss_of_sample(out_n: Tensor, n: int = n) -> Tensor:
             full = torch.cat([outputs[:n], out_n.unsqueeze(0), outputs[n + 1 :]])
             return loss_func(full, targets)
 
-        hess = hessian(loss_of_sample)(outputs[n])
         size = outputs[n].numel()
-        hess = hess.reshape(size, size)
         with warnings.catch_warnings():  # vmap over attention's backward: slow, not wrong
             warnings.filterwarnings("ignore", "There is a performance drop")
             jac = jacrev(one_sample)(params, n)
-        for name, j in jac.items():
-            j = j.reshape(size, -1)
-            result[name][n] = ((hess @ j) * j).sum(0)
+        jac = {name: j.reshape(size, -1) for name, j in jac.items()}
+        if total < size:  # fewer parameters than outputs: H J by Hessian-vector products
+            columns = torch.cat(list(jac.values()), dim=1).T.reshape(
+                total, *outputs[n].shape
+            )
+
+            def hvp(v: Tensor, n: int = n) -> Tensor:
+                return jvp(jacrev(loss_of_sample), (outputs[n],), (v,))[1]
+
+            hess_jac = (
+                vmap(hvp)(columns)
+                .reshape(total, size)
+                .T.split([j.shape[1] for j in jac.values()], dim=1)
+            )
+        else:  # the loss Hessian of this sample's output, [size, size]
+            hess = hessian(loss_of_sample)(outputs[n]).reshape(size, size)
+            hess_jac = [hess @ j for j in jac.values()]
+        for (name, j), hj in zip(jac.items(), hess_jac, strict=True):
+            result[name][n] = (hj * j).sum(0)
     if per_sample:
         return {n: result[n].reshape(batch, *p.shape) for n, p in params.items()}
     return {n: result[n].sum(0).reshape(p.shape) for n, p in params.items()}
