@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,7 @@ CASES = [
 
 
 _SERVER: list[Zygote] = []  # started by the first test that needs it
+_REFERENCES: list[Path] = []  # the unbudgeted diagonals, one file per problem
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,6 +49,8 @@ def _stop_the_server():
     yield
     while _SERVER:
         _SERVER.pop().close()
+    while _REFERENCES:
+        shutil.rmtree(_REFERENCES.pop(), ignore_errors=True)
 
 
 def _server() -> Zygote:
@@ -57,9 +62,15 @@ def _server() -> Zygote:
 
 
 def _run(problem: str, budget_mib: int, scenario: str, *more: str) -> dict | list:
-    """The worker's record, from a fresh process (forked after the imports)."""
+    """The worker's record, from a fresh process (forked after the imports).
+
+    Cases of one problem share its reference diagonal (computed by the first of them).
+    """
+    if not _REFERENCES:
+        _REFERENCES.append(Path(tempfile.mkdtemp(prefix="ggnchunk-references-")))
+    stored = f"--reference={_REFERENCES[0] / problem}.pt"
     done = _server().run(
-        "tests.budget._budget_worker", problem, f"{budget_mib}MiB", scenario, *more
+        "tests.budget._budget_worker", problem, f"{budget_mib}MiB", scenario, *more, stored
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
