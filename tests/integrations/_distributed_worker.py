@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,9 +29,27 @@ def _variance(model: nn.Module) -> torch.Tensor:
     return torch.linspace(0.01, 0.1, total)
 
 
-def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+def worker(rank: int, world: int, modes: list[str], out: str) -> None:
+    """Run every mode in turn, each in its own process group (a file store in ``out``).
+
+    A mode's result goes to ``out/MODE/rank{rank}.pt`` (and ``.passes``), its traceback
+    to ``out/MODE/rank{rank}.err``; a group's timeout keeps a mode whose ranks fell out
+    of step from holding the next ones.
+    """
+    for mode in modes:
+        folder = Path(out) / mode
+        folder.mkdir(exist_ok=True)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{Path(out) / (mode + '.store')}", rank=rank,
+            world_size=world, timeout=timedelta(seconds=120),
+        )  # fmt: skip
+        try:
+            _run_mode(rank, world, mode, str(folder))
+        finally:
+            dist.destroy_process_group()
+
+
+def _run_mode(rank: int, world: int, mode: str, out: str) -> None:
     try:
         x, y = data()
         model = model_for(rank, mode == "mismatch")
@@ -79,5 +98,3 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         torch.save(result, Path(out) / f"rank{rank}.pt")
     except Exception:
         (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
