@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _scheduling, _windows
-from ggnchunk._autograd import parameter_hooks_off
+from ggnchunk._autograd import forward_tensor_hooks_off, parameter_hooks_off
 from ggnchunk._checks import (
     Batch,
     check_batch,
@@ -660,7 +660,11 @@ def _compute(
     clipping hook on a parameter would otherwise change the products of the parameters
     the glue's backward reaches, and not those of layers with rules.
     """
-    with random_state_kept_on_error(problem.device), parameter_hooks_off(problem.params):
+    with (
+        random_state_kept_on_error(problem.device),
+        parameter_hooks_off(problem.params),
+        forward_tensor_hooks_off(),
+    ):
         return _compute_parts(
             problem, batch, targets, options, scale, spec, group, with_gradient, sampling
         )

@@ -47,7 +47,9 @@ __all__ = [
     "global_forward_hooks",
     "grad_shape",
     "in_checkpoint",
+    "forward_tensor_hooks_off",
     "module_backward_hooks_off",
+    "tensor_hooks_off_for_the_call",
     "parameter_hooks_off",
     "is_batched",
     "node_name",
@@ -761,6 +763,52 @@ def parameter_hooks_off(params: Sequence[Tensor]) -> contextlib.AbstractContextM
         A context manager.
     """
     return _muted([getattr(p, "_backward_hooks", None) for p in params])
+
+
+_CALL = threading.local()  # .stack: the running call's muted tensor hooks
+
+
+@contextlib.contextmanager
+def forward_tensor_hooks_off() -> Iterator[None]:
+    """The block of one call: tensor hooks its forward passes registered are muted.
+
+    A model's ``forward`` may hook a tensor (``h.register_hook``: scaling, clipping,
+    a gradient kept for Grad-CAM). Autograd would run such a hook wherever the columns
+    cross that tensor through autograd (glue between layers), on batched columns, and
+    not where a layer's rule takes them: a scaling hook made a diagonal 9x off. The GGN
+    is the model function's, as for the parameters' hooks
+    (:func:`parameter_hooks_off`). Each forward pass runs them as written (a forward
+    that differentiates inside itself needs them), then
+    :func:`tensor_hooks_off_for_the_call` mutes them until the block ends, also on an
+    exception.
+
+    Yields:
+        Nothing.
+    """
+    previous = getattr(_CALL, "stack", None)
+    try:
+        with contextlib.ExitStack() as stack:
+            _CALL.stack = stack
+            yield
+    finally:
+        _CALL.stack = previous
+
+
+def tensor_hooks_off_for_the_call(dicts: Sequence[dict]) -> None:
+    """Mute these hook dictionaries (``Tensor._backward_hooks``) until the call ends.
+
+    Args:
+        dicts: The dictionaries of the tensors a forward pass hooked.
+
+    Raises:
+        RuntimeError: Outside :func:`forward_tensor_hooks_off` (a caller's mistake).
+    """
+    if not dicts:
+        return
+    stack = getattr(_CALL, "stack", None)
+    if stack is None:
+        raise RuntimeError("tensor hooks are muted only inside forward_tensor_hooks_off")
+    stack.enter_context(_muted(dicts))
 
 
 def as_hooks_leave_it(param: Tensor, grad: Tensor) -> Tensor:

@@ -33,7 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk import _windows as windows
-from ggnchunk._autograd import BatchNormBase, module_backward_hooks_off
+from ggnchunk._autograd import (
+    BatchNormBase,
+    module_backward_hooks_off,
+    tensor_hooks_off_for_the_call,
+)
 from ggnchunk._checks import Batch, warn
 from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording, UnusedParameterWarning
@@ -432,14 +436,17 @@ class GGNComputation:
         # compiled code (torch.compile) runs as written: the recording's hooks see its
         # layers, and dynamo would trace through them
         # the model's backward hooks are not set up: they would run in every sweep
+        hooked: dict[int, dict] = {}
         with (
             torch.enable_grad(),
-            folded_glue(batch),
+            folded_glue(batch, hooked),
             _eager(),
             module_backward_hooks_off(problem.model),
         ):
             output = problem.model(*self._batch.args, **self._batch.kwargs)
         self._recording.remove()  # hooks only for this forward
+        # hooks the forward put on tensors: muted for the sweeps (run in it as written)
+        tensor_hooks_off_for_the_call(list(hooked.values()))
         if not isinstance(output, Tensor):
             raise ValueError(
                 f"the model returned a {type(output).__name__}; ggnchunk needs a single "

@@ -161,13 +161,27 @@ def _refuse_counted_lookup(
     )
 
 
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
 class _Folding(TorchFunctionMode):
-    def __init__(self, store: WeakIdKeyDictionary | None = None) -> None:
+    def __init__(
+        self,
+        store: WeakIdKeyDictionary | None = None,
+        hooked: dict[int, dict] | None = None,
+    ) -> None:
         super().__init__()
         self.store = store  # the batch's tensors and those made from them (tracked)
+        self.hooked = hooked  # the hook dictionaries of tensors hooked in the block
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _REGISTER_HOOK and self.hooked is not None and args:
+            handle = func(*args, **kwargs)
+            hooks = getattr(args[0], "_backward_hooks", None)
+            if hooks is not None:  # kept by id: the tensor itself is not held
+                self.hooked[id(hooks)] = hooks
+            return handle
         store = self.store
         if store is not None and (func is F.embedding or func is torch.embedding):
             _refuse_counted_lookup(store, func, args, kwargs)
@@ -253,12 +267,17 @@ def _last_axis(args: tuple, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
-def folded_glue(batch: Iterable[torch.Tensor] | None = None) -> Iterator[None]:
+def folded_glue(
+    batch: Iterable[torch.Tensor] | None = None, hooked: dict[int, dict] | None = None
+) -> Iterator[None]:
     """Route this thread's foldable glue calls through their folded forms (one forward).
 
     Args:
         batch: The batch's per-sample tensors: the tensors made from them are tracked
             (:func:`from_batch`); ``None`` tracks nothing.
+        hooked: Where the hook dictionaries of the tensors that the block hooks
+            (``Tensor.register_hook``, in the model's forward) are collected, by id;
+            ``None`` collects nothing.
 
     Yields:
         Nothing.
@@ -272,7 +291,7 @@ def folded_glue(batch: Iterable[torch.Tensor] | None = None) -> Iterator[None]:
     _DEPTH.value = 0  # a forward that raised inside a layer left its count behind
     _TAGS.store = store
     try:
-        with _Folding(store):
+        with _Folding(store, hooked):
             yield
     finally:
         _DEPTH.value = previous

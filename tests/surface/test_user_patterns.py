@@ -797,3 +797,86 @@ def test_users_backward_hooks_neither_run_nor_change_the_result(kind, options):
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _HooksInForward(nn.Module):
+    """A forward that hooks tensors: a layer's output, the glue, the input, a parameter.
+
+    The layer's output feeds the glue (``tanh(h) * 1.5 + sin(h)``), which the columns
+    cross with autograd; a conv then takes them with its rule. A forward that
+    differentiates inside itself (``inner``) needs its hooks there.
+    """
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where, self.ran = where, []
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.b = nn.Conv2d(3, 3, 1)
+        self.c = nn.Conv2d(3, 2, 3, padding=1)
+
+    def _hook(self, grad):
+        self.ran.append(self.where)
+        return grad * 3
+
+    def forward(self, x):
+        if self.where == "input":
+            x = x.clone().requires_grad_(True) if not x.requires_grad else x
+            x.register_hook(self._hook)
+        h = self.a(x)
+        if self.where == "layer_output":
+            h.register_hook(self._hook)
+        g = torch.tanh(h) * 1.5 + h.sin()
+        if self.where == "glue":
+            g.register_hook(self._hook)
+        if self.where == "parameter":
+            self.c.weight.register_hook(self._hook)
+        if self.where == "inner":  # a derivative inside the forward, through a hook
+            probe = h.detach().requires_grad_(True)
+            probe.register_hook(self._hook)
+            (inner,) = torch.autograd.grad(probe.pow(2).sum(), probe, create_graph=False)
+            g = g + 0.0 * inner  # 3 * 2 * probe: the hook ran in the forward
+            self.inner = inner
+        return self.c(torch.relu(self.b(g)))
+
+
+@pytest.mark.parametrize("options", list(CHUNKINGS.values()), ids=list(CHUNKINGS))
+@pytest.mark.parametrize("where", ["layer_output", "glue", "input", "parameter", "inner"])
+def test_hooks_the_forward_puts_on_tensors_do_not_change_the_result(where, options):
+    """``h.register_hook(...)`` inside ``forward``: the GGN is the model function's.
+
+    Autograd ran such a hook wherever the columns crossed the tensor through autograd
+    (the glue after a layer's output), on batched columns: a ``x3`` hook made the
+    diagonal 9x off, silently. The forward's own differentiation still runs them.
+    """
+    torch.manual_seed(0)
+    model = _HooksInForward(where).double()
+    x, y = _data()
+    plain = _HooksInForward("none").double()
+    plain.load_state_dict(model.state_dict())
+    expected = reference_diag_ggn(plain, nn.MSELoss(), x, y)
+    hooks_before = dict(model.c.weight._backward_hooks or {})
+    diag = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, **options)
+    assert_diag_close(diag, expected, 1e-9, where)
+    if where == "inner":  # run in the forward, as written: 3 * d(probe²)/d(probe)
+        assert model.ran and set(model.ran) == {"inner"}
+        last = model.inner.shape[0]  # the last forward's (sub-)batch
+        assert torch.allclose(model.inner, 6 * model.a(x[-last:]).detach())
+    else:
+        assert model.ran == []
+    if where == "parameter":  # what the forward registered stays, after the user's own
+        hooks = model.c.weight._backward_hooks
+        assert list(hooks.items())[: len(hooks_before)] == list(hooks_before.items())
+        assert len(hooks) > len(hooks_before)
+        model.c.weight._backward_hooks.clear()
+
+
+def test_hooks_the_forward_put_on_a_parameter_are_back_after_a_refused_call():
+    """Muted from the forward's end: a call refused after it gives them back."""
+    torch.manual_seed(0)
+    model = _HooksInForward("parameter").double()
+    x, y = _data()
+    with pytest.raises(ggnchunk.MemoryBudgetError):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), x, y, max_memory="1KiB")
+    hooks = model.c.weight._backward_hooks
+    assert hooks is not None and len(hooks) == 1  # the forward's hook, registered
+    model.c.weight._backward_hooks.clear()
