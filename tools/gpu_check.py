@@ -204,6 +204,9 @@ def cuda_test_files(timeout: float = 120.0) -> list[str]:
     return sorted(unique, key=lambda f: (order.get(Path(f).name, len(order)), f))
 
 
+MIN_SECONDS_FOR_A_FILE = 10.0  # a file is not started with less time left
+
+
 def run_tests(out: Path, budget: float, parts: list[Part]) -> TestOutcome:
     """Every CUDA test, one pytest run per file within the remaining ``budget`` seconds.
 
@@ -220,7 +223,7 @@ def run_tests(out: Path, budget: float, parts: list[Part]) -> TestOutcome:
     total.counts["files"] = len(files)
     for index, name in enumerate(files):
         left = budget - (time.perf_counter() - start)
-        if left < 10:
+        if left < MIN_SECONDS_FOR_A_FILE:
             total.not_run = files[index:]
             break
         junit = out / f"junit-{Path(name).stem}.xml"

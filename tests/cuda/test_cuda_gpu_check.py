@@ -208,9 +208,10 @@ def test_tests_run_file_by_file_within_the_budget(tmp_path, monkeypatch):
         (tmp_path / name).write_text(text)
     names = [str(tmp_path / name) for name in files]
     monkeypatch.setattr(gpu_check, "cuda_test_files", lambda timeout: names)
+    monkeypatch.setattr(gpu_check, "MIN_SECONDS_FOR_A_FILE", 3.0)
     parts: list[gpu_check.Part] = []
-    # (10 s at least are left for the slow file once the first has run: it is killed)
-    outcome = gpu_check.run_tests(tmp_path, 24.0, parts)
+    # (3 s at least are left for the slow file once the first has run: it is killed)
+    outcome = gpu_check.run_tests(tmp_path, 12.0, parts)
     assert [p.name for p in parts] == [f"tests {names[0]}", f"tests {names[1]}"]
     assert not parts[0].timed_out and parts[1].timed_out
     assert outcome.counts["passed"] == 1 and outcome.counts["failed"] == 1
