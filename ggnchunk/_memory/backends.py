@@ -265,7 +265,7 @@ class CudaMemory(MemoryBackend):
         if fraction >= user:  # the user's own cap is tighter
             yield None
             return
-        cap = Cap(index, fraction)
+        cap = Cap(index, fraction, self.release_cached)
         try:
             with _CAP_LOCK:
                 _USER_FRACTION.setdefault(index, user)
@@ -286,10 +286,13 @@ class Cap:
     Args:
         index: The device index.
         fraction: The share of the device's memory the call allows the allocator.
+        release: Gives the allocator's cached free blocks back
+            (:meth:`MemoryBackend.release_cached` of the call's backend).
     """
 
-    def __init__(self, index: int, fraction: float):
+    def __init__(self, index: int, fraction: float, release: Callable[[], None]):
         self.index, self.fraction, self.lifts = index, fraction, 0
+        self._release = release
 
     @contextlib.contextmanager
     def lifted(self) -> Iterator[None]:
@@ -313,7 +316,7 @@ class Cap:
                     _apply_caps(self.index)
             # what the uncapped pass freed stays cached and would serve the next passes
             # past the cap: given back
-            torch.cuda.empty_cache()
+            self._release()
 
 
 # the caps of budgeted calls open in any thread, per device index, and the fraction the
