@@ -754,10 +754,10 @@ def _compute_parts(
 
             def bound(
                 run=run, level=level, budget=budget, total=last - first
-            ) -> tuple[int, int]:  # asked again after the first pass
+            ) -> tuple[int, int, Any]:  # asked again after the first pass
                 if budget is not None:
                     _dense_after_first_pass(run, budget, level, total, problem.device)
-                return run.fixed_bytes(), run.column_bytes()
+                return run.fixed_bytes(), run.column_bytes(), run.layer_bounds()
 
             # the factor at a cut: half the room at most (the plan counts it as fixed)
             run.expect(last - first, None if budget is None else (budget - level) // 2)

@@ -595,6 +595,48 @@ class GGNComputation:
             return min(dense, windowed)
         return dense
 
+    def layer_bounds(self) -> list[tuple[int, int]] | None:
+        """The dense bound split at the layers' steps, for a budget's chunk size.
+
+        :meth:`fixed_bytes` counts the largest rule's transient bytes beside
+        :meth:`column_bytes`' largest column anywhere; a layer's transient bytes are held
+        only during its own steps (:meth:`~ggnchunk._graph.bound.MemoryBound.layer_steps`).
+        Call after :meth:`fixed_bytes` and :meth:`column_bytes` of the plan.
+
+        Returns:
+            ``[(fixed, per column)]``: a chunk of ``V`` columns needs the largest
+            ``fixed + V * per column`` of them (the first: one column of the unsplit
+            bound, for every chunk), each within the pair of :meth:`fixed_bytes` and
+            :meth:`column_bytes` at ``V >= 1``; or ``None`` where the bound is not
+            split (windowed passes, a cut, a quantity whose fixed bytes are not the
+            rules').
+        """
+        sqrt = self._require_sqrt()
+        if (
+            self._cut_place("above") is not None
+            or type(self.quantity).fixed_bytes is not Quantity.fixed_bytes
+            or (self._windowed(sqrt) and self._windows.choice is not False)
+        ):  # fmt: skip
+            return None
+        element = self._output.element_size()
+        fixed, per_column = self.fixed_bytes(), self.column_bytes()
+        largest, rest, steps = self._recording.layer_steps(element)
+        if not steps or rest >= largest:
+            return None
+        seed = sqrt.column_bytes()
+        # the working blocks' transient bytes stay beside every column; the weights'
+        # totals only beside their layer's. One column keeps the unsplit line's count:
+        # a fresh process's heap grows over its passes by about what the totals held
+        # apart (ResNet-18: 9 MiB over ten one-column passes, whose peaks reached
+        # 66-70 MiB where the split counted 63.5), so the split only lets more columns
+        # in beside small transients, never a budget the line refuses
+        bounds = [(fixed + per_column, 0), (fixed - largest + rest, per_column)]
+        bounds += [
+            (fixed - largest + transient, min(per_column, held + seed))
+            for transient, held in steps
+        ]
+        return bounds
+
     assume_fields_kept = False
     """:meth:`fixed_bytes` as after a first pass that kept every field image (planning
     only: a budget's choice between lean and kept caches)."""

@@ -58,6 +58,10 @@ class MemoryBound(Traversal):
         """
         n = self._batch
         worst = 0
+        # the largest total at each layer's own steps (its products and backprop, where
+        # its rule's transient memory is held): :meth:`layer_steps`
+        steps: dict[int, int] = {}
+        current: list[int | None] = [None]  # the layer whose steps are settled
         seen = self._seen if windowed else {}
         margin = self.alignment_margin()
 
@@ -90,7 +94,10 @@ class MemoryBound(Traversal):
 
         def settle(extra: int) -> None:
             nonlocal worst
-            worst = max(worst, waiting.total() + extra)
+            held = waiting.total() + extra
+            worst = max(worst, held)
+            if current[0] is not None:
+                steps[current[0]] = max(steps.get(current[0], 0), held)
 
         def glue(source: _Source, size: int) -> list[tuple[GradientEdge, Any]]:
             full = [(e, self._end_numel(e)) for e in source.frontier]
@@ -148,12 +155,16 @@ class MemoryBound(Traversal):
                 for i, _ in call.params
                 if i in self.shared and call.index not in boxed
             )
-            settle(size + rule + shared + tied.get(call.index, 0))
-            if call.leaf is None:
-                return None
-            inputs = sized("in", call, call.ctx.x[0].numel())
-            settle(size + inputs)
-            return inputs
+            current[0] = call.index
+            try:
+                settle(size + rule + shared + tied.get(call.index, 0))
+                if call.leaf is None:
+                    return None
+                inputs = sized("in", call, call.ctx.x[0].numel())
+                settle(size + inputs)
+                return inputs
+            finally:
+                current[0] = None
 
         # a tied table's rows kept from the head to the embedding (counted throughout)
         # and, at the head, the gathered logits they are made from
@@ -183,6 +194,7 @@ class MemoryBound(Traversal):
                 settle(6 * dense)
                 return STOP
             worst = 0  # below: what the sweeps from here hold
+            steps.clear()
             settle(0)
             return None
 
@@ -192,7 +204,74 @@ class MemoryBound(Traversal):
         )  # fmt: skip
         squared = {i for c in self.calls if c.index in boxed for i, _ in c.params}
         shared_total = sum(self._params[i].numel() for i in self.shared if i not in squared)
-        return int(self.size_margin() * (worst + shared_total + carried) * n * element)
+        scale = self.size_margin() * n * element
+        self._layer_steps = {
+            index: int(scale * (held + shared_total + carried))
+            for index, held in steps.items()
+        }
+        return int(scale * (worst + shared_total + carried))
+
+    _layer_steps: dict[int, int] | None = None
+
+    def layer_steps(
+        self, element: int, cut: tuple[str, int] | None = None
+    ) -> tuple[int, int, list[tuple[int, int]]]:
+        """The dense bound split at the layers: where each rule's transient memory is held.
+
+        :meth:`fixed_bytes` counts the largest rule's transient bytes beside the largest
+        column of the whole sweep (:meth:`column_bytes`), but a layer's transient bytes
+        are held only during its own steps, beside the columns alive there: a ResNet's
+        512-channel layers hold a weight-sized total (9 MiB) where the columns are 4x4
+        maps, its first layers 32x32 maps with a small weight. Counted together, the
+        bound left a budget room for one column where three fitted.
+
+        Args:
+            element: Bytes per element.
+            cut: As in :meth:`column_bytes`.
+
+        Only the parameter-sized totals (:meth:`~ggnchunk.extend.LayerRule.totals_bytes`)
+        are held apart: the rest of the rules' transient bytes (working blocks) stays
+        counted beside every column, as the slack it has been (measured peaks of dense
+        passes ran up to ~10% above the columns' count at glue steps: a residual
+        GroupNorm model, 0.34-0.37 MiB per column against 0.336 counted, 63.9 MiB
+        under a 64 MiB budget where a split of all transient bytes let that go).
+
+        Returns:
+            ``(largest transient, largest transient but totals, [(transient, column
+            bytes) per layer step])``: a chunk of ``V`` columns needs ``fixed_bytes -
+            largest + max(t + V * c)`` over the steps and ``(rest, column_bytes)``,
+            instead of ``fixed_bytes + V * column_bytes``.
+        """
+        self.column_bytes(element, cut=cut)
+        calls = self.calls
+        if cut is not None:
+            side, index = cut
+            calls = [c for c in calls if (c.index > index) == (side == "above")]
+        layer_steps = self._layer_steps or {}
+        pairs, rest = [], 0
+        for call in calls:
+            transient = _rule_bytes(call, element)[2]
+            totals = call.rule.totals_bytes(call.ctx, element) if call.params else 0
+            rest = max(rest, transient - min(totals, transient))
+            if totals > 0 and call.index in layer_steps:
+                pairs.append((transient, layer_steps[call.index]))
+        return self.transient_bytes(element, cut), rest, pairs
+
+    def transient_bytes(self, element: int, cut: tuple[str, int] | None = None) -> int:
+        """The largest transient bytes of one rule's step (:meth:`fixed_bytes`'s share).
+
+        Args:
+            element: Bytes per element.
+            cut: As in :meth:`fixed_bytes`.
+
+        Returns:
+            Bytes.
+        """
+        calls = self.calls
+        if cut is not None:
+            side, index = cut
+            calls = [c for c in calls if (c.index > index) == (side == "above")]
+        return max((_rule_bytes(call, element)[2] for call in calls), default=0)
 
     def column_macs(self, index: int) -> int:
         """Multiply-adds per dense column and sample from before call ``index`` down.
@@ -324,8 +403,7 @@ class MemoryBound(Traversal):
             )
             for call in calls
         )
-        transient = max((_rule_bytes(call, element)[2] for call in calls), default=0)
-        return kept + transient
+        return kept + self.transient_bytes(element, cut)
 
     def field_image_bytes(self, element: int) -> int:
         """What a windowed sweep can keep of its fields' images (:attr:`images`).

@@ -330,6 +330,8 @@ class Recording(Sweeps, MemoryBound, Checks):
         for call in self.calls:
             call.ctx.shared = any(i in self.shared for i, _ in call.params)
             call.ctx.output = edge_key(call.out_edge) == self.output_key
+            # the diagonal's accumulators are handed to unshared calls' rules
+            call.ctx.in_place = self.sums_squares and not call.ctx.shared
         self._schedule_crossings()
 
     def lone_lookups(self, source: _Source) -> set[int]:

@@ -115,6 +115,9 @@ class RuleContext:
             one step, after every allocation of the computation (an out-of-memory
             error mid-way must leave the accumulator as it was: the chunk is retried).
             ``None``: return values.
+        in_place: The sweeps hand :attr:`into` to this call's ``diag`` (the diagonal's
+            quantity, parameters not shared): a bound may count a value added there
+            in one step as no memory.
     """
 
     module: nn.Module
@@ -130,6 +133,7 @@ class RuleContext:
     index: int = -1
     images: Any = None
     into: dict[str, Tensor] | None = None
+    in_place: bool = False
 
     @property
     def x(self) -> Tensor:
@@ -450,6 +454,24 @@ class LayerRule(ABC):
 
         Returns:
             An upper bound.
+        """
+        return 0
+
+    def totals_bytes(self, ctx: RuleContext, element: int) -> int:
+        """The part of :meth:`transient_bytes` that is parameter-sized totals.
+
+        A weight's squares summed over the chunk's columns (a 512-channel layer's: 9 MiB
+        in float32) are held during the layer's own step only, beside the columns alive
+        there, where the rest of the transient bytes (working blocks) stand for any
+        step's slack: a budget's plan counts the totals at their step only
+        (:meth:`~ggnchunk._graph.bound.MemoryBound.layer_steps`).
+
+        Args:
+            ctx: The call's context (trainable parameters).
+            element: Bytes per element.
+
+        Returns:
+            Bytes, at most :meth:`transient_bytes`.
         """
         return 0
 

@@ -23,6 +23,7 @@ from ggnchunk._rules.kernels import (
     BLOCK,
     MAPS_MARGIN,
     SMALL_WEIGHT,
+    add_row_sums,
     products,
     square_sum,
     square_sum_bytes,
@@ -201,6 +202,9 @@ def _weight_squares(
         )[1].view(-1, n, *weight.shape)  # fmt: skip
         if fields is not None:
             mix(block.coeffs[i : i + step], fields["weight"], into=prods)  # a new tensor
+        if weights is None and not per_sample:  # added in place: no sum beside total
+            add_row_sums(total, prods.flatten(0, 1).square_())
+            continue
         value = squares(prods, per_sample, weights)
         if weights is not None:
             total[i : i + step] = value
@@ -325,6 +329,9 @@ def _patch_squares(
             if phi is not None:
                 coeffs = block.coeffs[first + j : first + j + w]
                 mix(coeffs, phi, into=prods.view(w, n, -1))
+            if weights is None and not per_sample:  # added in place, no sum beside it
+                add_row_sums(total[0], prods.view(w * n, g, o, kk * i_g).square_())
+                continue
             value = squares(prods.view(w, n, g, o, kk * i_g), per_sample, weights)
             if weights is not None:
                 total[first + j : first + j + w] = value
@@ -333,7 +340,8 @@ def _patch_squares(
     if weights is not None:
         return total
     total = total.view(samples, g, o, kk, i_g)
-    # to the weight's layout: [G * O, I, K], or [G * I, O, K] transposed
+    # to the weight's layout: [G * O, I, K], or [G * I, O, K] transposed (a view, but
+    # for a grouped transposed convolution's, copied: :meth:`ConvRule._sizes`)
     order = (0, 1, 4, 2, 3) if transposed else (0, 1, 2, 4, 3)
     result = total.permute(order).reshape(samples, *weight.shape)
     return result if per_sample else result[0]
@@ -664,11 +672,15 @@ class ConvRule(LayerRule):
             v, n, g, o, p = a.shape
             k = module.weight[0].numel()
             if ctx.lean and not use_gram(v, n, g, o, k, p, lean=True):
-                # one sample's patches at a time, made again in every chunk
+                # one sample's patches at a time, made again in every chunk; the
+                # squares added in place (no weight-sized sum beside the total where
+                # the products are contiguous: one group). Not into the accumulator:
+                # an out-of-memory error mid-way would leave it partly added to
                 total = a.new_zeros(g, o, k)
                 for i in range(n):
                     b = self._patches(ctx, i)[0]  # [G, K, P]
-                    total += torch.einsum("vgop,gkp->vgok", a[:, i], b).square_().sum(0)
+                    prods = torch.einsum("vgop,gkp->vgok", a[:, i], b)
+                    add_row_sums(total, prods.square_())
                 out["weight"] = total.reshape(module.weight.shape)
             else:
                 if ctx.lean and ctx.caches.gram is not None:
@@ -937,10 +949,8 @@ class ConvRule(LayerRule):
         # the windowed products' steps take BLOCK, and the input as rows of positions
         # (padded with values first where the padding is not zeros)
         rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
-        # beside them, the products' squares summed: a weight-sized total and each
-        # step's sum before it is added (ResNet-style 512-channel layers: 2 x 18 MiB in
-        # float64, which a video network's budget went above before they were counted)
-        step = BLOCK + reorder + rows + 2 * module.weight.numel()
+        # beside them, the products' squares' totals (:meth:`_totals`)
+        step = BLOCK + reorder + rows + ConvRule._totals(ctx)
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
             return fixed + patches, per_column, step
@@ -953,6 +963,26 @@ class ConvRule(LayerRule):
         if ctx.output:
             transient += ctx.x.numel()
         return fixed, per_column, max(transient, step)
+
+    @staticmethod
+    def _totals(ctx: RuleContext) -> int:
+        """Elements of the weight's squares summed over a chunk, held during its step.
+
+        A weight-sized total (or the Gram form's value; 18 MiB in float64 for
+        ResNet-style 512-channel layers, which a video network's budget went above
+        before it was counted). Each step's squares are added in place
+        (:func:`add_row_sums`), but a grouped layer's lean loop sums its non-contiguous
+        products first: a second weight. One position (a ResNet's last maps on small
+        images): the squares are summed first and added to the diagonal's accumulator
+        by one product where it is handed in, no total.
+        """
+        module = ctx.module
+        if math.prod(ctx.out_shape[2:]) == 1 and ctx.in_place:
+            return 0
+        return (2 if ctx.lean and module.groups > 1 else 1) * module.weight.numel()
+
+    def totals_bytes(self, ctx, element):
+        return min(self._totals(ctx) * element, self.transient_bytes(ctx, element))
 
     @staticmethod
     def _backprop_columns(ctx: RuleContext) -> int:
@@ -1084,13 +1114,16 @@ class ConvTransposeRule(LayerRule):
             offsets = [()]
             for k in kernel:
                 offsets = [(*o, i) for o in offsets for i in range(k)]
-            result = grads.new_zeros(g, c // g, len(offsets), b.shape[2])
+            # in the weight's layout [G, Cin/G, Cout/G, K], written as [G, O, K, I]:
+            # no weight-sized copy at the end
+            result = grads.new_zeros(g, b.shape[2], c // g, len(offsets))
+            written = result.permute(0, 2, 3, 1)
             for j, offset in enumerate(offsets):
                 a = view[(slice(None), slice(None), *offset)].reshape(v, n, g, c // g, -1)
-                result[:, :, j] = square_sum(  # one Gram matrix of b
+                written[:, :, j] = square_sum(  # one Gram matrix of b
                     a, b, ctx.caches, columns=ctx.columns
                 )
-            out["weight"] = result.permute(0, 3, 1, 2).reshape(module.weight.shape)
+            out["weight"] = result.view(module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = grads.reshape(v, n, c, -1).sum(3).square().sum((0, 1))
         return out
@@ -1236,5 +1269,16 @@ class ConvTransposeRule(LayerRule):
 
     def transient_bytes(self, ctx, element):
         # samples batched in the direct form; the windowed products' steps, and the
-        # input as rows of positions
-        return (BLOCK + ctx.x.numel()) * element
+        # input as rows of positions; beside them the squares' weight-sized total, and
+        # one kernel offset's sums (a grouped layer's windowed total is copied to the
+        # weight's layout at the end: two weights)
+        return (BLOCK + ctx.x.numel() + self._totals(ctx)) * element
+
+    @staticmethod
+    def _totals(ctx: RuleContext) -> int:
+        weight = ctx.module.weight.numel()
+        kernel = math.prod(as_tuple(ctx.module.kernel_size, ctx.x.dim() - 2))
+        return 2 * weight if ctx.module.groups > 1 else weight + weight // kernel
+
+    def totals_bytes(self, ctx, element):
+        return self._totals(ctx) * element

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCK",
     "SMALL_WEIGHT",
+    "add_row_sums",
     "products",
     "square_sum",
     "square_sum_bytes",
@@ -34,6 +35,25 @@ SMALL_WEIGHT = 2**16  # convolution weights backpropagated by the transposed con
 # the allocator's partly reused blocks), as a factor: measured up to ~1.5x on CPU
 # convolutions and the maps around them (:mod:`ggnchunk._graph.bound`)
 MAPS_MARGIN = 1.5
+
+
+def add_row_sums(into: Tensor, rows: Tensor) -> None:
+    """``into += rows.sum(0)`` without a temporary of ``into``'s size.
+
+    A weight's squares summed over the columns: the sum's temporary beside the total
+    was a second weight-sized tensor (9 MiB for a 512-channel 3x3 convolution in
+    float32), which the memory bound has to count. One product with a row of ones adds
+    the rows in place.
+
+    Args:
+        into: ``[*S]``, contiguous.
+        rows: ``[R, *S]`` (summed in place where contiguous, else through ``sum``).
+    """
+    if not rows.is_contiguous():
+        into += rows.sum(0)
+        return
+    r = rows.shape[0]
+    into.view(1, -1).addmm_(rows.new_ones(1, r), rows.view(r, -1))
 
 
 def use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
@@ -106,6 +126,8 @@ def square_sum(
             the result to where the form allows it in one product that allocates
             nothing after it starts writing (one position: the squares summed first,
             then one batched product with ``beta=1``); no ``[G, O, K]`` temporary then.
+            The other forms return their ``[G, O, K]`` (the direct forms' steps added
+            in place into it, :func:`add_row_sums`: no second one beside it).
 
     Returns:
         ``[G, O, K]``, or ``None`` where the result was added to ``into``.
@@ -149,7 +171,7 @@ def square_sum(
         # batch, without copying the rows
         total = a.new_zeros(o, k)
         for i in range(n):
-            total += torch.matmul(a[:, i, 0], b[i, 0].T).square_().sum(0)
+            add_row_sums(total, torch.matmul(a[:, i, 0], b[i, 0].T).square_())
         return total.unsqueeze(0)
     if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most BLOCK elements
         # of copied rows and products together (cache-sized: one sample at a time for
@@ -160,9 +182,9 @@ def square_sum(
             rows = a[:, i : i + step, 0].transpose(0, 1)  # [B, V, O, P]
             rows = rows.reshape(rows.shape[0], v * o, p)  # one copy of the block's rows
             block = torch.bmm(rows, b[i : i + step, 0].transpose(1, 2))
-            total += block.square_().reshape(-1, o, k).sum(0)
+            add_row_sums(total, block.square_().view(-1, o, k))
         return total.unsqueeze(0)
-    return torch.einsum("vngop,ngkp->vngok", a, b).square().sum((0, 1))
+    return torch.einsum("vngop,ngkp->vngok", a, b).square_().sum((0, 1))
 
 
 def square_sum_bytes(

@@ -132,8 +132,15 @@ class LinearRule(LayerRule):
         if x[0].numel() == x.shape[-1]:  # one position: squares summed, nothing blocked
             return 0
         # samples batched in the direct form (also when lean), and the squares' weight-
-        # sized total with each block's sum before it is added
-        return (BLOCK + 2 * ctx.module.weight.numel()) * element
+        # sized total (or the Gram form's value; the direct form's steps are added in
+        # place, :func:`~ggnchunk._rules.kernels.add_row_sums`)
+        return (BLOCK + ctx.module.weight.numel()) * element
+
+    def totals_bytes(self, ctx, element):
+        x = ctx.x
+        if x[0].numel() == x.shape[-1]:
+            return 0
+        return ctx.module.weight.numel() * element
 
     def backprop_bytes(self, ctx, element):  # one product with the weight, no products
         return 2 * math.prod(ctx.out_shape) * element, 0, 0

@@ -32,8 +32,14 @@ __all__ = [
     "planning_share",
 ]
 
-Cost = tuple[float, float] | Callable[[], tuple[float, float]]
-"""A bound ``(fixed_bytes, bytes_per_index)``, or a callable asked when needed."""
+Bound = tuple[float, float] | tuple[float, float, "list[tuple[float, float]] | None"]
+Cost = Bound | Callable[[], Bound]
+"""A bound ``(fixed_bytes, bytes_per_index)``, or a callable asked when needed.
+
+A third item, where given and not ``None``, splits the bound by the steps of the work:
+``[(fixed_bytes, bytes_per_index)]``, each within the first two, a chunk of ``s``
+indices needing the largest ``fixed + s * per_index`` of them (memory held at one step
+only, beside what that step holds per index)."""
 
 
 class MemoryBudgetError(MemoryError):
@@ -182,13 +188,17 @@ class BudgetPlanner:
         Raises:
             MemoryBudgetError: With ``check``, where one index does not fit.
         """
-        fixed_bound, per_index = cost() if callable(cost) else cost
+        fixed_bound, per_index, *rest = cost() if callable(cost) else cost
+        steps = rest[0] if rest else None
         level = self.executor.settled_level()
         fixed = level + fixed_bound
-        if check and fixed + per_index > self.budget:
-            have, need = format_bytes(self.budget), format_bytes(fixed + per_index)
+        one = fixed + per_index
+        if steps:  # the split bound: its largest step
+            one = level + max(f + p for f, p in steps)
+        if check and one > self.budget:
+            have, need = format_bytes(self.budget), format_bytes(one)
             if have == need:  # rounded alike ("8.0 MiB, but ... needs up to 8.0 MiB")
-                have, need = f"{self.budget:,} B", f"{math.ceil(fixed + per_index):,} B"
+                have, need = f"{self.budget:,} B", f"{math.ceil(one):,} B"
             raise MemoryBudgetError(
                 f"max_memory is {have}, but a chunk of 1 of the "
                 f"{self.what} needs up to {need} above "
@@ -199,7 +209,31 @@ class BudgetPlanner:
                 "for fewer samples per forward pass)."
             )
         self.first_level = level
+        if steps:
+            fixed = level + self._split_fixed(level, per_index, steps)
         return Decision(fixed, per_index)
+
+    def _split_fixed(
+        self, level: float, per_index: float, steps: list[tuple[float, float]]
+    ) -> float:
+        """The fixed bytes of a line through the split bound at the size it fits.
+
+        ``s*``, the largest size whose every step fits the target, is the size the line
+        ``fixed + s * per_index`` fits too (:meth:`fit_size`): the line meets the split
+        bound's largest step at ``s*`` and lies above it from there (the steps hold no
+        more per index than the line), so no larger size passes for fitting.
+
+        Args:
+            level: Bytes in use above the baseline.
+            per_index: The line's bytes per index (the largest step's).
+            steps: ``[(fixed, per index)]`` of the split bound.
+
+        Returns:
+            Bytes, at most the line's own fixed bytes.
+        """
+        size = min(int((self.target - level - f) // max(p, 1.0)) for f, p in steps)
+        size = max(1, min(self.total, size))
+        return max(f + size * p for f, p in steps) - size * per_index
 
     def probe(self) -> tuple[Decision, int]:
         """Measure one index, twice (where the range has three): its peak is the start.

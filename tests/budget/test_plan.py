@@ -164,3 +164,52 @@ def test_the_bound_keeps_its_margin_for_maps_only(name, margin):
     ) as run:
         run.forward()
         assert run._recording.size_margin() == margin
+
+
+@pytest.mark.parametrize("quantity", ["diagonal", "kron"])
+def test_the_bound_holds_weight_totals_apart_at_their_layers(quantity):
+    """The weights' squares' totals are counted beside their own layer's columns only.
+
+    Torchvision's ResNet-18: its 512-channel layers' totals (9 MiB in float32) are held
+    where the columns are 2x2 maps; counted beside the first layers' columns too, a
+    budget of 80.2 MiB fitted one column of 32x32 images where three did.
+    Every step of the split lies within the unsplit line (fixed, per column), and the
+    split gives room; Kronecker factors are not split (their fixed bytes are not the
+    rules').
+    """
+    torchvision = pytest.importorskip("torchvision")
+    from ggnchunk._checks import Batch
+    from ggnchunk._engine import GGNComputation, Problem
+    from ggnchunk._quantities import DiagonalGGN, KroneckerFactors
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    if quantity == "kron":  # factors of the convolutions and the head only
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.requires_grad_(False)
+    x = torch.randn(2, 3, 64, 64)  # layer4's maps 2x2
+    problem = Problem.build(model, nn.CrossEntropyLoss())
+    kind = DiagonalGGN if quantity == "diagonal" else KroneckerFactors
+    with GGNComputation(
+        problem, Batch(x, 2), torch.tensor([1, 7]), 1.0, kind(problem, 2)
+    ) as run:
+        run.forward()
+        run.set_lean(True)  # as a tight budget plans it (products in the Gram form)
+        fixed, per_column = run.fixed_bytes(), run.column_bytes()
+        bounds = run.layer_bounds()
+        if quantity == "kron":
+            assert bounds is None
+            return
+        assert bounds, "no split"
+        # one column as the unsplit line counts it, for every chunk
+        assert bounds[0] == (fixed + per_column, 0)
+        steps = bounds[1:]
+        assert all(f <= fixed and p <= per_column for f, p in steps), steps
+        # the next stands for every step: the working blocks' transient bytes kept,
+        # the weights' totals taken out (layer4's 512x512x3x3: 9 MiB)
+        assert steps[0][1] == per_column
+        assert fixed - steps[0][0] >= 512 * 512 * 9 * 4 // 2
+        # where a 512-channel layer's total is held, its columns are small
+        heavy = [p for f, p in steps[1:] if f > steps[0][0] + 2**22]
+        assert heavy and max(heavy) < per_column / 4, (heavy, per_column)

@@ -296,3 +296,76 @@ def test_budget_passes_start_from_a_settled_heap(total):
     assert len(report.chunks) > 1, report.chunks  # the budget forced several passes
     peaks = [chunk.peak_extra_bytes for chunk in report.chunks]
     assert max(peaks) <= budget, [p / MiB for p in peaks]
+
+
+# -- a bound split by the steps of the work ------------------------------------------------
+
+
+class _Level:
+    """An executor as :class:`~ggnchunk._scheduling.budget.BudgetPlanner` plans with."""
+
+    settle_above = 0
+    what = "columns"
+
+    def settled_level(self) -> int:
+        return 0
+
+    def level(self) -> int:
+        return 0
+
+
+SPLITS = {
+    # a large transient where few bytes per index are held (a ResNet's 512-channel
+    # layers' weight totals at 1x1 maps), a small one where many are (its first layers)
+    "resnet-like": [(10 * MiB, 3 * MiB), (21 * MiB, MiB // 10), (16 * MiB, MiB // 4)],
+    "one-step": [(12 * MiB, 2 * MiB)],
+    "equal-slopes": [(5 * MiB, MiB), (9 * MiB, MiB)],
+    "nothing-fits-the-target": [(60 * MiB, MiB), (10 * MiB, 3 * MiB)],
+}
+
+
+@pytest.mark.parametrize("total", [1, 2, 7, 64, 1000])
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_split_bound_plans_the_largest_size_every_step_fits(split, total):
+    """The line made from a split bound fits the largest size whose every step fits.
+
+    Brute force over the sizes: the plan's size is the largest ``s`` with
+    ``max_i(fixed_i + s * per_index_i)`` within the target (1 where none is), every
+    smaller size fits too, and the line lies on or above the split bound at that size.
+    """
+    from ggnchunk._memory import backend_class
+    from ggnchunk._scheduling.budget import BudgetPlanner
+
+    steps = SPLITS[split]
+    budget = 64 * MiB
+    fixed = max(f for f, _ in steps)
+    per_index = max(p for _, p in steps)
+    planner = BudgetPlanner(_Level(), budget, total, backend_class(torch.device("cpu")))
+    decision = planner.from_cost((fixed, per_index, steps))
+    size = planner.fit_size(decision)
+
+    def split_bound(s: int) -> float:
+        return max(f + s * p for f, p in steps)
+
+    fitting = [s for s in range(1, total + 1) if split_bound(s) <= planner.target]
+    assert size == (max(fitting) if fitting else 1), (size, fitting[-3:])
+    if fitting:
+        assert all(split_bound(s) <= planner.target for s in range(1, size + 1))
+    assert decision.fixed + size * decision.per_index >= split_bound(size) - 1e-6
+    # never a larger plan than the unsplit line would make where that line fits
+    line = planner.fit_size(ggnchunk._scheduling.budget.Decision(fixed, per_index))
+    assert size >= line
+
+
+def test_a_split_bound_refuses_by_its_largest_step():
+    """One index that fits no step within the budget is refused, by the split's count."""
+    from ggnchunk._memory import backend_class
+    from ggnchunk._scheduling.budget import BudgetPlanner, MemoryBudgetError
+
+    steps = [(30 * MiB, MiB), (20 * MiB, 40 * MiB)]
+    planner = BudgetPlanner(_Level(), 50 * MiB, 10, backend_class(torch.device("cpu")))
+    with pytest.raises(MemoryBudgetError, match="needs up to 60.0 MiB"):
+        planner.from_cost((30 * MiB, 40 * MiB, steps))
+    # the line alone would need 70 MiB; the split 60 MiB fits a 64 MiB budget
+    planner = BudgetPlanner(_Level(), 64 * MiB, 10, backend_class(torch.device("cpu")))
+    planner.from_cost((30 * MiB, 40 * MiB, steps))
