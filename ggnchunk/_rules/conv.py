@@ -24,6 +24,8 @@ from ggnchunk._rules.kernels import (
     MAPS_MARGIN,
     SMALL_WEIGHT,
     add_row_sums,
+    direct_bytes,
+    direct_squares,
     products,
     square_sum,
     square_sum_bytes,
@@ -679,6 +681,9 @@ class ConvRule(LayerRule):
                 total = a.new_zeros(g, o, k)
                 for i in range(n):
                     b = self._patches(ctx, i)[0]  # [G, K, P]
+                    if g == 1:  # in slabs of columns
+                        direct_squares(a[:, i : i + 1, 0], b, True, total[0])
+                        continue
                     prods = torch.einsum("vgop,gkp->vgok", a[:, i], b)
                     add_row_sums(total, prods.square_())
                 out["weight"] = total.reshape(module.weight.shape)
@@ -946,11 +951,12 @@ class ConvRule(LayerRule):
         # a small weight is reordered by the transposed convolution of the backprop (or
         # flipped, then reordered, by the convolution of a grouped one)
         reorder = 2 * module.weight.numel() if module.weight.numel() <= SMALL_WEIGHT else 0
-        # the windowed products' steps take BLOCK, and the input as rows of positions
+        # the windowed products' steps take BLOCK (the direct form's slabs as much, or
+        # one column's product where more), and the input as rows of positions
         # (padded with values first where the padding is not zeros)
         rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
         # beside them, the products' squares' totals (:meth:`_totals`)
-        step = BLOCK + reorder + rows + ConvRule._totals(ctx)
+        step = direct_bytes(o, k, positions) + reorder + rows + ConvRule._totals(ctx)
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
             return fixed + patches, per_column, step
@@ -1272,7 +1278,10 @@ class ConvTransposeRule(LayerRule):
         # input as rows of positions; beside them the squares' weight-sized total, and
         # one kernel offset's sums (a grouped layer's windowed total is copied to the
         # weight's layout at the end: two weights)
-        return (BLOCK + ctx.x.numel() + self._totals(ctx)) * element
+        module, x = ctx.module, ctx.x
+        g, p = module.groups, math.prod(x.shape[2:])
+        direct = direct_bytes(module.out_channels // g, module.in_channels // g, p)
+        return (direct + x.numel() + self._totals(ctx)) * element
 
     @staticmethod
     def _totals(ctx: RuleContext) -> int:

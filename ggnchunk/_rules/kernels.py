@@ -22,6 +22,8 @@ __all__ = [
     "BLOCK",
     "SMALL_WEIGHT",
     "add_row_sums",
+    "direct_bytes",
+    "direct_squares",
     "products",
     "square_sum",
     "square_sum_bytes",
@@ -54,6 +56,80 @@ def add_row_sums(into: Tensor, rows: Tensor) -> None:
         return
     r = rows.shape[0]
     into.view(1, -1).addmm_(rows.new_ones(1, r), rows.view(r, -1))
+
+
+SLAB = 2**19
+"""Elements of one product of the direct form with its rows (2 MiB in float32): a
+slab of columns whose products are squared and added while they are in the cache."""
+SLABS = True  # an internal switch, for side-by-side runs (the products of whole chunks)
+
+
+def direct_bytes(o: int, k: int, p: int) -> int:
+    """Elements :func:`direct_squares` holds at once (a product with its rows).
+
+    Args:
+        o: Rows of the chunk-dependent side.
+        k: Rows of the fixed side.
+        p: Positions.
+
+    Returns:
+        At most ``BLOCK``, or one column's product and rows where that is more (a
+        512-channel 3x3 convolution's: ``512 * (4608 + P)``); nothing per column. One
+        position takes the squares summed first (no products): ``BLOCK``.
+    """
+    return BLOCK if p == 1 else max(BLOCK, o * (p + k))
+
+
+def direct_squares(
+    a: Tensor, b: Tensor, lean: bool = False, total: Tensor | None = None
+) -> Tensor:
+    """``sum_{v,n} (sum_p a[v,n,o,p] b[n,k,p])**2`` as ``[O, K]``, product by product.
+
+    The products are made for slabs of columns (or, where all of a sample's columns
+    are few, for blocks of samples) of at most :data:`SLAB` elements with their rows,
+    squared and added to the total while they are in the cache: one product per
+    sample over all the chunk's columns wrote and read back a ``[V*O, K]`` block
+    larger than the cache (the partly frozen ResNet-18's first layers: 100 columns x
+    64 channels x 576, 15 MB per sample, 19 GFLOP/s where slabs of 8 columns reach
+    46). Nothing kept per column.
+
+    Args:
+        a: ``[V, N, O, P]``, any strides.
+        b: ``[N, K, P]``.
+        lean: One sample per product at most (a tight budget).
+        total: ``[O, K]``, contiguous, to add to (a total of the caller's own).
+
+    Returns:
+        ``[O, K]`` (``total``, where given).
+    """
+    v, n, o, p = a.shape
+    k = b.shape[1]
+    if total is None:
+        total = a.new_zeros(o, k)
+    column = o * (p + k)  # one column's rows and products, one sample
+    if not SLABS:  # one product per sample (or block of samples) over every column
+        step = 1 if lean else max(1, BLOCK // max(v * column, 1))
+    elif v * column <= SLAB and not lean:
+        step = max(1, SLAB // max(v * column, 1))
+    else:
+        step = 0
+    if step:  # blocks of samples: [B, V*O, P] @ [B, P, K]
+        for i in range(0, n, step):
+            rows = a[:, i : i + step].transpose(0, 1)  # [B, V, O, P]
+            rows = rows.reshape(rows.shape[0], v * o, p)  # one copy of the block's rows
+            block = torch.bmm(rows, b[i : i + step].transpose(1, 2))
+            add_row_sums(total, block.square_().view(-1, o, k))
+        return total
+    width = max(1, SLAB // max(column, 1))  # columns per product
+    for i in range(n):
+        right = b[i].T  # [P, K]
+        for j in range(0, v, width):
+            rows = a[j : j + width, i]
+            # one copy of the slab's rows: one matrix product (strided, torch ran a
+            # batched product of one [O, P] matrix per column, 2.8x slower)
+            rows = rows.reshape(rows.shape[0] * o, p)
+            add_row_sums(total, torch.mm(rows, right).square_().view(-1, o, k))
+    return total
 
 
 def use_gram(v: int, n: int, g: int, o: int, k: int, p: int, lean: bool = False) -> bool:
@@ -166,24 +242,8 @@ def square_sum(
             aa = torch.bmm(rows.permute(1, 2, 0), rows.permute(1, 0, 2))
             aa = aa.view(n, g, o, p, p)
         return torch.einsum("ngopq,ngkpq->gok", aa, bb)
-    if g == 1 and p > k and not lean and v * o * (p + k) >= BLOCK:  # one sample at a
-        # time anyway, and its rows longer than its products: its columns as a strided
-        # batch, without copying the rows
-        total = a.new_zeros(o, k)
-        for i in range(n):
-            add_row_sums(total, torch.matmul(a[:, i, 0], b[i, 0].T).square_())
-        return total.unsqueeze(0)
-    if g == 1:  # blocks of samples: [B, V*O, P] @ [B, P, K], at most BLOCK elements
-        # of copied rows and products together (cache-sized: one sample at a time for
-        # large ones, many small products in one call)
-        step = 1 if lean else max(1, BLOCK // max(v * o * (p + k), 1))
-        total = a.new_zeros(o, k)
-        for i in range(0, n, step):
-            rows = a[:, i : i + step, 0].transpose(0, 1)  # [B, V, O, P]
-            rows = rows.reshape(rows.shape[0], v * o, p)  # one copy of the block's rows
-            block = torch.bmm(rows, b[i : i + step, 0].transpose(1, 2))
-            add_row_sums(total, block.square_().view(-1, o, k))
-        return total.unsqueeze(0)
+    if g == 1:
+        return direct_squares(a[:, :, 0], b[:, 0], lean).unsqueeze(0)
     return torch.einsum("vngop,ngkp->vngok", a, b).square_().sum((0, 1))
 
 
@@ -211,11 +271,16 @@ def square_sum_bytes(
     if lean:
         if use_gram(1, n, g, o, k, p, lean=True):  # both factors; ``a`` copied once
             return n * g * p * p * (o + k), n * g * o * p
-        return 0, g * o * k  # one sample at a time
+        # one sample at a time: in slabs of ``SLAB`` elements (counted with the
+        # rules' transient ``BLOCK``), grouped all columns at once
+        return 0, 0 if g == 1 and SLABS else g * o * k
     gram = use_gram(1, n, g, o, k, p) or use_gram(columns, n, g, o, k, p)
     fixed = n * g * p * p * (o + k) if gram else 0
-    per_column = o * k if g == 1 else n * g * o * k
-    return fixed, per_column
+    if g > 1:
+        return fixed, n * g * o * k
+    # slabs (:func:`direct_squares`, in the rules' transient bytes), or (switched off)
+    # one sample's products of every column
+    return fixed, 0 if SLABS else o * k
 
 
 def products(a: Tensor, b: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ import textwrap
 from torch import Tensor, nn
 
 from ggnchunk._rules.base import LayerRule, RuleContext, gram_of_sums, trainable
-from ggnchunk._rules.kernels import BLOCK, products, square_sum, square_sum_bytes
+from ggnchunk._rules.kernels import direct_bytes, products, square_sum, square_sum_bytes
 
 __all__ = ["Conv1DRule", "LinearRule"]
 
@@ -134,7 +134,9 @@ class LinearRule(LayerRule):
         # samples batched in the direct form (also when lean), and the squares' weight-
         # sized total (or the Gram form's value; the direct form's steps are added in
         # place, :func:`~ggnchunk._rules.kernels.add_row_sums`)
-        return (BLOCK + ctx.module.weight.numel()) * element
+        o, k = ctx.out_shape[-1], x.shape[-1]
+        direct = direct_bytes(o, k, x[0].numel() // k)  # the direct form's slabs
+        return (direct + ctx.module.weight.numel()) * element
 
     def totals_bytes(self, ctx, element):
         x = ctx.x
