@@ -757,7 +757,8 @@ def _compute_parts(
             ) -> tuple[int, int, Any]:  # asked again after the first pass
                 if budget is not None:
                     _dense_after_first_pass(run, budget, level, total, problem.device)
-                return run.fixed_bytes(), run.column_bytes(), run.layer_bounds()
+                fixed, per_column = run.fixed_bytes(), run.column_bytes()
+                return fixed, per_column, run.layer_bounds(fixed, per_column)
 
             # the factor at a cut: half the room at most (the plan counts it as fixed)
             run.expect(last - first, None if budget is None else (budget - level) // 2)

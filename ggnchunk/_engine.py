@@ -595,13 +595,16 @@ class GGNComputation:
             return min(dense, windowed)
         return dense
 
-    def layer_bounds(self) -> list[tuple[int, int]] | None:
+    def layer_bounds(self, fixed: int, per_column: int) -> list[tuple[int, int]] | None:
         """The dense bound split at the layers' steps, for a budget's chunk size.
 
         :meth:`fixed_bytes` counts the largest rule's transient bytes beside
         :meth:`column_bytes`' largest column anywhere; a layer's transient bytes are held
         only during its own steps (:meth:`~ggnchunk._graph.bound.MemoryBound.layer_steps`).
-        Call after :meth:`fixed_bytes` and :meth:`column_bytes` of the plan.
+
+        Args:
+            fixed: :meth:`fixed_bytes` of the plan.
+            per_column: :meth:`column_bytes` of the plan.
 
         Returns:
             ``[(fixed, per column)]``: a chunk of ``V`` columns needs the largest
@@ -619,7 +622,6 @@ class GGNComputation:
         ):  # fmt: skip
             return None
         element = self._output.element_size()
-        fixed, per_column = self.fixed_bytes(), self.column_bytes()
         largest, rest, steps = self._recording.layer_steps(element)
         if not steps or rest >= largest:
             return None

@@ -213,6 +213,13 @@ class MemoryBound(Traversal):
 
     _layer_steps: dict[int, int] | None = None
 
+    def _calls_on(self, cut: tuple[str, int] | None) -> list[Call]:
+        """The calls on a cut's side (:meth:`column_bytes`' ``cut``), or all of them."""
+        if cut is None:
+            return self.calls
+        side, index = cut
+        return [c for c in self.calls if (c.index > index) == (side == "above")]
+
     def layer_steps(
         self, element: int, cut: tuple[str, int] | None = None
     ) -> tuple[int, int, list[tuple[int, int]]]:
@@ -243,10 +250,7 @@ class MemoryBound(Traversal):
             instead of ``fixed_bytes + V * column_bytes``.
         """
         self.column_bytes(element, cut=cut)
-        calls = self.calls
-        if cut is not None:
-            side, index = cut
-            calls = [c for c in calls if (c.index > index) == (side == "above")]
+        calls = self._calls_on(cut)
         layer_steps = self._layer_steps or {}
         pairs, rest = [], 0
         for call in calls:
@@ -267,10 +271,7 @@ class MemoryBound(Traversal):
         Returns:
             Bytes.
         """
-        calls = self.calls
-        if cut is not None:
-            side, index = cut
-            calls = [c for c in calls if (c.index > index) == (side == "above")]
+        calls = self._calls_on(cut)
         return max((_rule_bytes(call, element)[2] for call in calls), default=0)
 
     def column_macs(self, index: int) -> int:
@@ -392,10 +393,7 @@ class MemoryBound(Traversal):
         Returns:
             An upper bound.
         """
-        calls = self.calls
-        if cut is not None:
-            side, index = cut
-            calls = [c for c in calls if (c.index > index) == (side == "above")]
+        calls = self._calls_on(cut)
         kept = sum(
             max(
                 0,

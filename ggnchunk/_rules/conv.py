@@ -956,7 +956,7 @@ class ConvRule(LayerRule):
         # (padded with values first where the padding is not zeros)
         rows = ctx.x.numel() * (1 if module.padding_mode == "zeros" else 2)
         # beside them, the products' squares' totals (:meth:`_totals`)
-        step = direct_bytes(o, k, positions) + reorder + rows + ConvRule._totals(ctx)
+        step = direct_bytes(k, positions) + reorder + rows + ConvRule._totals(ctx)
         if not ctx.lean:
             fixed, per_column = square_sum_bytes(n, g, o, k, positions, ctx.columns)
             return fixed + patches, per_column, step
@@ -1280,7 +1280,7 @@ class ConvTransposeRule(LayerRule):
         # weight's layout at the end: two weights)
         module, x = ctx.module, ctx.x
         g, p = module.groups, math.prod(x.shape[2:])
-        direct = direct_bytes(module.out_channels // g, module.in_channels // g, p)
+        direct = direct_bytes(module.in_channels // g, p)
         return (direct + x.numel() + self._totals(ctx)) * element
 
     @staticmethod

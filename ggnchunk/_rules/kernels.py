@@ -64,11 +64,10 @@ slab of columns whose products are squared and added while they are in the cache
 SLABS = True  # an internal switch, for side-by-side runs (the products of whole chunks)
 
 
-def direct_bytes(o: int, k: int, p: int) -> int:
+def direct_bytes(k: int, p: int) -> int:
     """Elements :func:`direct_squares` holds at once (a product with its rows).
 
     Args:
-        o: Rows of the chunk-dependent side.
         k: Rows of the fixed side.
         p: Positions.
 

@@ -134,8 +134,8 @@ class LinearRule(LayerRule):
         # samples batched in the direct form (also when lean), and the squares' weight-
         # sized total (or the Gram form's value; the direct form's steps are added in
         # place, :func:`~ggnchunk._rules.kernels.add_row_sums`)
-        o, k = ctx.out_shape[-1], x.shape[-1]
-        direct = direct_bytes(o, k, x[0].numel() // k)  # the direct form's slabs
+        k = x.shape[-1]
+        direct = direct_bytes(k, x[0].numel() // k)  # the direct form's slabs
         return (direct + ctx.module.weight.numel()) * element
 
     def totals_bytes(self, ctx, element):

@@ -197,7 +197,7 @@ def test_the_bound_holds_weight_totals_apart_at_their_layers(quantity):
         run.forward()
         run.set_lean(True)  # as a tight budget plans it (products in the Gram form)
         fixed, per_column = run.fixed_bytes(), run.column_bytes()
-        bounds = run.layer_bounds()
+        bounds = run.layer_bounds(fixed, per_column)
         if quantity == "kron":
             assert bounds is None
             return
