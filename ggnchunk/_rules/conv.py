@@ -300,7 +300,12 @@ def _patch_squares(
     # a step's tensors (per column: its patches picked and reordered, its vectors, its
     # products) and the index tables of a span of columns (int64, with two temporaries
     # as large) share BLOCK elements
-    per = n * (2 * ci * kk * pb + c * pb + weight.numel())
+    # one position per box, no fields, squares summed: a column's products are an outer
+    # product, whose squares are the outer product of its sides' squares, so a step's
+    # squares summed over its columns are one product of those (no products formed:
+    # the segmenter's 16->16 layer below its 1x1 head wrote and squared 2.7 MB per step)
+    outer = OUTER and pb == 1 and phi is None and weights is None
+    per = n * (2 * ci * kk * pb + c * pb + (0 if outer else weight.numel()))
     step = max(1, (3 * BLOCK // 4) // max(per, 1))
     span = max(step, BLOCK * data.element_size() // (4 * 24 * pb * kk))
     samples = n if per_sample else 1
@@ -322,6 +327,9 @@ def _patch_squares(
             part = index[j : j + step]
             w = part.shape[0]
             patches = rows.index_select(0, part.view(-1)).view(w, pb, kk, n, g, i_g)
+            if outer:
+                _outer_squares(total, data[first + j : first + j + w], patches, g)
+                continue
             patches = patches.permute(0, 3, 4, 1, 2, 5).reshape(w * n * g, pb, kk * i_g)
             # contiguous: vectors with the columns laid out last (a transposed
             # convolution's products on boxes) sent torch's CPU bmm into a loop of
@@ -347,6 +355,39 @@ def _patch_squares(
     order = (0, 1, 4, 2, 3) if transposed else (0, 1, 2, 4, 3)
     result = total.permute(order).reshape(samples, *weight.shape)
     return result if per_sample else result[0]
+
+
+OUTER = True
+"""Squares on one-position boxes as products of the sides' squares (an internal switch,
+for side-by-side runs: the products formed and squared otherwise)."""
+
+
+def _outer_squares(total: Tensor, grads: Tensor, patches: Tensor, g: int) -> None:
+    """Add one-position boxes' squared weight products to ``total``, in place.
+
+    A column's products on a box of one position are ``grads ⊗ patch``, and their squares
+    ``grads**2 ⊗ patch**2``: summed over columns (and samples, where ``total`` has one
+    row) they are one batched product of the squared sides per group.
+
+    Args:
+        total: ``[S, G, O, K * I]`` (``S`` is 1, or ``N`` per sample), contiguous.
+        grads: ``[W, N, G * O, 1...]`` vectors at the layer's output.
+        patches: ``[W, 1, K, N, G, I]`` each column's patch (squared in place).
+        g: The layer's groups ``G``.
+    """
+    w, n = grads.shape[:2]
+    o = grads.shape[2] // g
+    kk, i_g = patches.shape[2], patches.shape[5]
+    left = grads.reshape(w, n, g, o).square()
+    right = patches.square_().view(w, kk, n, g, i_g)
+    if total.shape[0] == 1:  # [G, O, W * N] @ [G, W * N, K * I]
+        left = left.permute(2, 3, 0, 1).reshape(g, o, w * n)
+        right = right.permute(3, 0, 2, 1, 4).reshape(g, w * n, kk * i_g)
+        total[0].baddbmm_(left, right)
+    else:  # per sample: [N * G, O, W] @ [N * G, W, K * I]
+        left = left.permute(1, 2, 3, 0).reshape(n * g, o, w)
+        right = right.permute(2, 3, 0, 1, 4).reshape(n * g, w, kk * i_g)
+        total.view(n * g, o, kk * i_g).baddbmm_(left, right)
 
 
 MATRIX_BACKPROP = True

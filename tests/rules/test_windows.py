@@ -788,6 +788,88 @@ def test_both_forms_of_windowed_weight_products(
     assert any(windows_everywhere), "no pass carried its columns on boxes"
 
 
+ONE_POSITION = {
+    # the layer before each 1x1 head meets every column on a box of one position, where
+    # its products are outer products (:func:`conv._outer_squares`)
+    "grouped-dilated": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=2, dilation=2, groups=2),
+            nn.ReLU(),
+            nn.Conv2d(4, 2, 1),
+        ),
+        (2, 7, 6),
+    ),
+    "strided-transposed": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1),
+            nn.Tanh(),
+            nn.Conv2d(4, 2, 1),
+        ),
+        (2, 4, 3),
+    ),
+    "grouped-transposed": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose2d(4, 4, 3, stride=2, groups=2),
+            nn.Sigmoid(),
+            nn.Conv2d(4, 3, 1),
+        ),
+        (4, 3, 4),
+    ),
+    "reflect-padded": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"),
+            nn.ReLU(),
+            nn.Conv2d(4, 2, 1),
+        ),
+        (2, 5, 6),
+    ),
+    "conv1d": (
+        lambda: nn.Sequential(nn.Conv1d(2, 4, 5, padding=2), nn.ReLU(), nn.Conv1d(4, 2, 1)),
+        (2, 9),
+    ),
+    "conv3d": (
+        lambda: nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.ELU(), nn.Conv3d(3, 2, 1)),
+        (2, 4, 3, 5),
+    ),
+}
+
+
+@pytest.mark.parametrize("chunks", [None, 5], ids=["one-pass", "chunk_size"])
+@pytest.mark.parametrize("per_sample", [False, True], ids=["summed", "per-sample"])
+@pytest.mark.parametrize("name", list(ONE_POSITION))
+def test_one_position_boxes_sum_outer_products(
+    name, per_sample, chunks, windows_everywhere, monkeypatch
+):
+    """Weight squares on one-position boxes as products of the sides' squares.
+
+    Grouped, dilated, strided, transposed, reflect-padded, 1-D and 3-D layers below a
+    1x1 head, summed and per sample, against the float64 brute force.
+    """
+    outer = []
+    original = conv._outer_squares
+
+    def spy(*args):
+        outer.append(args[1].shape)
+        return original(*args)
+
+    monkeypatch.setattr(conv, "_outer_squares", spy)
+    make, shape = ONE_POSITION[name]
+    torch.manual_seed(3)
+    model = _randomized(make())
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        targets = torch.randn_like(model(x))
+    loss_func = nn.MSELoss(reduction="sum")
+    kwargs = {"chunk_size": chunks} if chunks else {}
+    actual = ggnchunk.diag_ggn(
+        model, loss_func, x, targets, per_sample=per_sample, **kwargs
+    )
+    expected = reference_diag_ggn(model, loss_func, x, targets, per_sample=per_sample)
+    assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {per_sample} {chunks}")
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+    assert outer, "no one-position box took the outer products' form"
+
+
 @pytest.mark.parametrize(
     "name",
     [
