@@ -119,6 +119,31 @@ def _transposed_by_products(
     return result.view(g * i, *out, b).movedim(-1, 0)
 
 
+def _one_position_transposed(data: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """``conv_transpose(data, weight)`` of one-position maps: one matrix product.
+
+    Each input position meets each kernel offset once: the output is the vectors times
+    the weight's rows, laid out as the kernel (oneDNN's transposed convolution of the
+    segmenter's ``[10240, 16, 1, 1]`` vectors took 11.6 ms, ~20x the product's time).
+
+    Args:
+        data: ``[B, C, 1...]``.
+        weight: The convolution's weight ``[C, Ci/G, *k]``.
+        groups: ``G``.
+
+    Returns:
+        ``[B, Ci, *k]``.
+    """
+    b, c = data.shape[:2]
+    kernel, i = tuple(weight.shape[2:]), weight.shape[1]
+    if groups == 1:
+        return (data.reshape(b, c) @ weight.reshape(c, -1)).view(b, i, *kernel)
+    g = groups
+    rows = data.reshape(b, g, c // g).transpose(0, 1)  # [G, B, C/G]
+    result = torch.bmm(rows, weight.reshape(g, c // g, -1))  # [G, B, I * K]
+    return result.transpose(0, 1).reshape(b, g * i, *kernel)
+
+
 def _transposed_box(
     block: Windowed, module: nn.Module, box: tuple[int, ...], start: Tensor,
     stride: tuple[int, ...], dilation: tuple[int, ...], x: Tensor,
@@ -128,7 +153,9 @@ def _transposed_box(
     data = block.data[:, :1] if block.sample_free else block.data
     v, n, c = data.shape[:3]
     folded = data.reshape(v * n, c, *block.box)
-    if max(block.box) <= 2 and max(stride) > 1:  # oneDNN's strided transposed
+    if math.prod(block.box) == 1 and max(dilation) == 1:
+        result = _one_position_transposed(folded, module.weight.detach(), module.groups)
+    elif max(block.box) <= 2 and max(stride) > 1:  # oneDNN's strided transposed
         # convolution of tiny maps: 1.4-4x slower at 1 thread (the 28x28 AE's layers)
         result = _transposed_by_products(folded, module.weight.detach(), stride, dilation,
                                          module.groups)  # fmt: skip
@@ -138,7 +165,8 @@ def _transposed_box(
             folded, module.weight.detach(), None, stride, 0, 0, module.groups, dilation
         )
     size = tuple(x.shape[2:])
-    result = result.unflatten(0, (v, n)) * valid(start, box, size).to(result.dtype)
+    # in place: a new tensor (another map-sized one per step, freshly paged in)
+    result = result.unflatten(0, (v, n)).mul_(valid(start, box, size).to(result.dtype))
     if block.sample_free:
         result = result.expand(v, block.data.shape[1], *result.shape[2:])
     return Windowed(result, start, size)
@@ -1278,9 +1306,8 @@ class ConvTransposeRule(LayerRule):
             dilation, module.groups,
         )  # fmt: skip
         size = tuple(x.shape[2:])
-        result = result.view(v, n, x.shape[1], *box) * valid(start, box, size).to(
-            result.dtype
-        )
+        mask = valid(start, box, size).to(result.dtype)
+        result = result.view(v, n, x.shape[1], *box).mul_(mask)  # a new tensor
         if region.sample_free:
             result = result.expand(v, region.data.shape[1], *result.shape[2:])
         return end_of(Windowed(result, start, size))

@@ -123,7 +123,7 @@ def avg_pool_windowed(node: Any, block: Windowed, size: tuple[int, ...]) -> Any:
     spread = spread.reshape(v, n, c, h * kh, w * kw) / (kh * kw)
     start = block.start * torch.tensor(kernel, device=block.start.device)
     box = (h * kh, w * kw)
-    spread = spread * valid(start, box, size).to(spread.dtype)
+    spread.mul_(valid(start, box, size).to(spread.dtype))  # a new tensor
     return end_of(Windowed(spread, start, size))
 
 

@@ -765,6 +765,19 @@ def test_transposed_convolution_by_products(dims, box, stride, dilation, groups)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_transposed_convolution_of_one_position_maps(dims, groups):
+    """The one-product form equals torch's transposed convolution on 1-position maps."""
+    torch.manual_seed(0)
+    data = torch.randn(7, 4, *(1,) * dims, dtype=torch.float64)
+    weight = torch.randn(4, 8 // groups, *(3, 2, 4)[:dims], dtype=torch.float64)
+    transposed = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    expected = transposed(data, weight, None, 2, 0, 0, groups)
+    actual = conv._one_position_transposed(data, weight, groups)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("patches", [True, False], ids=["patches", "grouped"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_both_forms_of_windowed_weight_products(
@@ -814,6 +827,12 @@ ONE_POSITION = {
             nn.Conv2d(4, 3, 1),
         ),
         (4, 3, 4),
+    ),
+    "grouped": (
+        lambda: nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 1)
+        ),
+        (4, 5, 4),
     ),
     "reflect-padded": (
         lambda: nn.Sequential(
