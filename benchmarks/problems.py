@@ -737,7 +737,27 @@ def wide_conv_head(scale: int = 1) -> Problem:
     return model, nn.MSELoss(), x, torch.randn(2 * scale, 3, dtype=torch.float64)
 
 
+def resnet18_layer4(scale: int = 1) -> Problem:
+    """ResNet-18 frozen but ``layer4`` and the head: 4 images ``3x64x64``, 10 classes.
+
+    Torchvision's ResNet-18 (``weights=None``, eval mode) in float64 (the budget test
+    compares it with an unbudgeted call to 1e-10); ``layer4``'s 512-channel 3x3
+    weights (18 MiB each) on 2x2 maps, the rest frozen (a budget test's problem: each
+    layer's weight-sized Gram-form value, freed into a hole the next vectors split,
+    kept 2.4x the bytes in use resident, 20-27% above budgets the bound met).
+    """
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    model.requires_grad_(False)
+    model.layer4.requires_grad_(True)
+    model.fc.requires_grad_(True)
+    x = torch.randn(4 * scale, 3, 64, 64, dtype=torch.float64)
+    return model.double(), nn.CrossEntropyLoss(), x, torch.randint(0, 10, (4 * scale,))
+
+
 PROBLEMS.update(
+    resnet18_layer4=resnet18_layer4,
     wide_conv_head=wide_conv_head,
     conv3d_stack=conv3d_stack,
     tutorial_conv_ae_n64=tutorial_conv_ae_n64,

@@ -1049,12 +1049,24 @@ class ConvRule(LayerRule):
         (:func:`add_row_sums`), but a grouped layer's lean loop sums its non-contiguous
         products first: a second weight. One position (a ResNet's last maps on small
         images): the squares are summed first and added to the diagonal's accumulator
-        by one product where it is handed in, no total.
+        by one product where it is handed in, no total; so is a lean pass's Gram form
+        (chosen by sizes alone, whatever the chunk).
         """
         module = ctx.module
-        if math.prod(ctx.out_shape[2:]) == 1 and ctx.in_place:
+        positions = math.prod(ctx.out_shape[2:])
+        if ctx.in_place and (positions == 1 or (ctx.lean and ConvRule._lean_gram(ctx))):
             return 0
         return (2 if ctx.lean and module.groups > 1 else 1) * module.weight.numel()
+
+    @staticmethod
+    def _lean_gram(ctx: RuleContext) -> bool:
+        """Whether a lean pass takes the Gram form (:func:`use_gram`, by sizes alone)."""
+        module = ctx.module
+        g = module.groups
+        k = module.weight[0].numel()
+        positions = math.prod(ctx.out_shape[2:])
+        n, o = ctx.out_shape[0], module.out_channels // g
+        return use_gram(1, n, g, o, k, positions, lean=True)
 
     def totals_bytes(self, ctx, element):
         return min(self._totals(ctx) * element, self.transient_bytes(ctx, element))

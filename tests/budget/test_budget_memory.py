@@ -525,7 +525,7 @@ def test_the_products_pool_is_grown_for_large_models_under_tight_budgets(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("problem", ["wide_conv_head", "conv3d_stack"])
+@pytest.mark.parametrize("problem", ["wide_conv_head", "conv3d_stack", "resnet18_layer4"])
 def test_budgets_just_above_the_smallest_accepted_hold(problem):
     """No chunk goes above a budget the bound accepts (in this process; warnings fail).
 
@@ -534,7 +534,11 @@ def test_budgets_just_above_the_smallest_accepted_hold(problem):
     (``MemoryBudgetWarning`` is an error here). A helper's hunt: float64 3-d
     convolutions' native input gradient and a large weight's squares (a weight-sized
     total and each step's sum) were not counted: chunks peaked at 39 MiB under budgets
-    of 29-37 MiB that the bound had accepted.
+    of 29-37 MiB that the bound had accepted. A frozen ResNet-18 with a trainable
+    ``layer4`` (a second helper's hunt, on a model the tests did not have): each layer's
+    weight-sized Gram-form value freed into a hole that the next vectors split, so the
+    heap grew by a weight per layer (9 MiB) and one-column passes peaked 20-27% above
+    budgets at 1.05x; its Gram form is now added into the accumulator.
     """
     import re
 

@@ -82,3 +82,30 @@ def test_direct_bytes_bound_the_slabs(shape, monkeypatch):
     b = torch.randn(n, k, p, dtype=torch.float64)
     kernels.direct_squares(a, b)
     assert sizes and max(sizes) <= kernels.direct_bytes(k, p), sizes
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("form", ["gram", "direct"])
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_square_sum_into_the_accumulator(shape, groups, form, lean, monkeypatch):
+    """Each form, per group, returned or added into a caller's accumulator in place.
+
+    The Gram form (and one position) add into ``into`` with one product (no
+    ``[G, O, K]`` result beside it); the direct forms return their total.
+    """
+    monkeypatch.setattr(kernels, "use_gram", lambda *args, **kwargs: form == "gram")
+    v, n, o, k, p = shape
+    torch.manual_seed(1)
+    a = torch.randn(v, n, groups, o, p, dtype=torch.float64)
+    b = torch.randn(n, groups, k, p, dtype=torch.float64)
+    expected = torch.stack([_expected(a[:, :, j], b[:, j]) for j in range(groups)])
+    returned = kernels.square_sum(a, b, lean=lean)
+    torch.testing.assert_close(returned, expected, rtol=1e-12, atol=0)
+    into = torch.full((groups, o, k), 2.0, dtype=torch.float64)
+    before = into.data_ptr()
+    result = kernels.square_sum(a, b, lean=lean, into=into)
+    added = into if result is None else into + result
+    assert into.data_ptr() == before
+    assert (result is None) == (form == "gram"), "the Gram form adds in place"
+    torch.testing.assert_close(added, expected + 2, rtol=1e-12, atol=0)
