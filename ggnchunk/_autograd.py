@@ -214,12 +214,16 @@ def saved_value(node: Node, name: str) -> object:
         name: The saved argument's name (``"other"``, ``"alpha"``, ``"dim"``, ...).
 
     Returns:
-        The value.
+        The value; a tensor detached (the sweeps use it as a constant: a factor that
+        needs grad, ``x * sigmoid(gate(x))`` as LRASPP's head forms it, gave the
+        windowed glue's products autograd history, kept in the diagonals returned and
+        grown with every pass).
     """
     try:
-        return getattr(node, f"_saved_{name}", None)
+        value = getattr(node, f"_saved_{name}", None)
     except RuntimeError:  # freed
         return None
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def apply_node(node: Node, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -704,6 +704,51 @@ def test_windowed_matches_brute_force(name, loss, chunking, windows_everywhere):
         expected = _expected(name, loss)
     assert_diag_close(actual, expected, rtol=1e-9, label=f"{name} {loss} {kwargs}")
     assert any(windows_everywhere), "no pass carried its columns on boxes"
+    assert not any(v.requires_grad or v.grad_fn for v in actual.values()), name
+
+
+class _Gated(nn.Module):
+    """LRASPP's head in miniature: ``a(x) * sigmoid(gate(mean(x)))``, a layer scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 4, 3, padding=1)
+        self.gate = nn.Conv2d(2, 4, 1)
+        self.scale = nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        s = torch.sigmoid(self.gate(x.mean((2, 3), keepdim=True)))
+        return self.head(self.a(x) * s * self.scale)
+
+
+@pytest.mark.parametrize("how", ["one-pass", "chunk_size", "dataset", "per_sample"])
+def test_products_with_factors_that_need_grad_leave_no_history(how, windows_everywhere):
+    """Windowed glue times a factor that needs grad: exact, and no autograd history.
+
+    The glue's products read the factor saved by autograd (``x * sigmoid(...)``, a
+    layer scale), which needs grad: the diagonals came back with a ``grad_fn`` and a
+    graph that grew with every pass (a helper's sweep: 155 MiB over 3,072 passes of
+    an LRASPP-style segmenter, and budgets broken by it).
+    """
+    torch.manual_seed(4)
+    model = _Gated().double().eval()
+    x = torch.randn(2, 2, 6, 5, dtype=torch.float64)
+    targets = torch.randint(0, 2, (2, 6, 5))
+    loss_func = nn.CrossEntropyLoss(reduction="sum")
+    per_sample = how == "per_sample"
+    if how == "dataset":
+        actual = ggnchunk.diag_ggn_dataset(model, loss_func, [(x, targets)], chunk_size=7)
+    else:
+        kwargs = {"chunk_size": 7} if how == "chunk_size" else {}
+        actual = ggnchunk.diag_ggn(
+            model, loss_func, x, targets, per_sample=per_sample, **kwargs
+        )
+    expected = reference_diag_ggn(model, loss_func, x, targets, per_sample=per_sample)
+    assert_diag_close(actual, expected, rtol=1e-9, label=how)
+    assert any(windows_everywhere), "no pass carried its columns on boxes"
+    for name, value in actual.items():
+        assert not value.requires_grad and value.grad_fn is None, name
 
 
 @pytest.mark.parametrize(
