@@ -846,55 +846,39 @@ def test_both_forms_of_windowed_weight_products(
     assert any(windows_everywhere), "no pass carried its columns on boxes"
 
 
+def _headed(layer: nn.Module, activation: nn.Module, classes: int = 2) -> nn.Module:
+    """``layer``, ``activation`` and a 1x1 head of the layer's dimension."""
+    head = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[layer.weight.dim() - 3]
+    return nn.Sequential(layer, activation, head(layer.out_channels, classes, 1))
+
+
 ONE_POSITION = {
     # the layer before each 1x1 head meets every column on a box of one position, where
     # its products are outer products (:func:`conv._outer_squares`)
     "grouped-dilated": (
-        lambda: nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=2, dilation=2, groups=2),
-            nn.ReLU(),
-            nn.Conv2d(4, 2, 1),
-        ),
+        lambda: _headed(nn.Conv2d(2, 4, 3, padding=2, dilation=2, groups=2), nn.ReLU()),
         (2, 7, 6),
     ),
     "strided-transposed": (
-        lambda: nn.Sequential(
-            nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1),
-            nn.Tanh(),
-            nn.Conv2d(4, 2, 1),
+        lambda: _headed(
+            nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1), nn.Tanh()
         ),
         (2, 4, 3),
     ),
     "grouped-transposed": (
-        lambda: nn.Sequential(
-            nn.ConvTranspose2d(4, 4, 3, stride=2, groups=2),
-            nn.Sigmoid(),
-            nn.Conv2d(4, 3, 1),
-        ),
+        lambda: _headed(nn.ConvTranspose2d(4, 4, 3, stride=2, groups=2), nn.Sigmoid(), 3),
         (4, 3, 4),
     ),
     "grouped": (
-        lambda: nn.Sequential(
-            nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 1)
-        ),
+        lambda: _headed(nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.ReLU()),
         (4, 5, 4),
     ),
     "reflect-padded": (
-        lambda: nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"),
-            nn.ReLU(),
-            nn.Conv2d(4, 2, 1),
-        ),
+        lambda: _headed(nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), nn.ReLU()),
         (2, 5, 6),
     ),
-    "conv1d": (
-        lambda: nn.Sequential(nn.Conv1d(2, 4, 5, padding=2), nn.ReLU(), nn.Conv1d(4, 2, 1)),
-        (2, 9),
-    ),
-    "conv3d": (
-        lambda: nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.ELU(), nn.Conv3d(3, 2, 1)),
-        (2, 4, 3, 5),
-    ),
+    "conv1d": (lambda: _headed(nn.Conv1d(2, 4, 5, padding=2), nn.ReLU()), (2, 9)),
+    "conv3d": (lambda: _headed(nn.Conv3d(2, 3, 3, padding=1), nn.ELU()), (2, 4, 3, 5)),
 }
 
 
