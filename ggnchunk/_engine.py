@@ -734,17 +734,23 @@ class GGNComputation:
     _by_values = False  # dense passes because boxes would be read from values
 
     @property
+    def has_fields(self) -> bool:
+        """Whether windowed passes carry fields (norms over positions make them)."""
+        return any(
+            call.rule.field_count(call.ctx) for call in self._recording.calls
+            if call.leaf is not None
+        )  # fmt: skip
+
+    @property
     def field_images_kept(self) -> bool:
         """Whether the windowed passes' fields need not travel (none, or all images kept).
 
         Known after the first windowed pass (before it: whether there are no fields).
         """
         recording = self._recording
-        fields = sum(
-            call.rule.field_count(call.ctx) for call in recording.calls
-            if call.leaf is not None
-        )  # fmt: skip
-        return not fields or (recording.images.complete and recording.geometric_windows)
+        return not self.has_fields or (
+            recording.images.complete and recording.geometric_windows
+        )
 
     def limit_field_images(self, limit: int | None) -> None:
         """The most bytes the windowed fields' kept images may take (before any pass).

@@ -561,9 +561,10 @@ class _FakeWindowedRun(_FakeRun):
     carry none.
     """
 
-    def __init__(self, fields, windowed=MiB // 4, dense=MiB):
+    def __init__(self, fields, windowed=MiB // 4, dense=MiB, has_fields=True):
         super().__init__((MiB, dense), (MiB, dense))
         self.fields, self.windowed, self.dense = fields, windowed, dense
+        self.has_fields = has_fields  # else ``fields`` stands for the boxes' caches
         self.assume_fields_kept, self.dense_only, self.reason = False, False, None
         self.dense_limit = None
 
@@ -586,25 +587,29 @@ class _FakeWindowedRun(_FakeRun):
 
 
 @pytest.mark.parametrize(
-    ("fields", "dense_only", "says"),
-    [(0, False, None),  # windowed passes plan 4x fewer passes: kept
-     (60 * MiB, False, None),  # the fields leave room: windowed, the trial decides
+    ("fields", "dense_only", "says", "has_fields"),
+    [(0, False, None, True),  # windowed passes plan 4x fewer passes: kept
+     (60 * MiB, False, None, True),  # the fields leave room: windowed, the trial decides
      # the first pass (its fields travelling) fits the budget, though not the
      # planning target; the later ones keep the fields' images: windowed
-     (80 * MiB, False, None),
-     (100 * MiB, True, "no pass")],  # no windowed pass fits (dense passes do): dense
+     (80 * MiB, False, None, True),
+     (100 * MiB, True, "no pass", True),  # no windowed pass fits (dense passes do)
+     # no fields, what windowed passes keep at any size fills the budget: the reason
+     # says so (it spoke of fields a 28x28 autoencoder does not have)
+     (100 * MiB, True, "the boxes' caches", False)],
 )  # fmt: skip
 def test_windowed_plans_give_way_to_dense_ones_where_fields_fill_the_budget(
-    monkeypatch, fields, dense_only, says
+    monkeypatch, fields, dense_only, says, has_fields
 ):
     from ggnchunk._api import _plan_for_budget
 
     monkeypatch.setattr(HostMemory, "planning_share", 0.7)
-    run = _FakeWindowedRun(fields)
+    run = _FakeWindowedRun(fields, has_fields=has_fields)
     _plan_for_budget(run, 100 * MiB, 0, 1000, torch.device("cpu"))
     assert run.dense_only is dense_only
     if dense_only:
         assert "every pass runs dense" in run.reason and says in run.reason
+        assert ("fields" in run.reason) is has_fields, run.reason
         assert (run.fixed_bytes(), run.column_bytes()) == (MiB, MiB)
     else:  # dense parts of windowed chunks: what the budget fits beside the fields
         assert run.reason is None
