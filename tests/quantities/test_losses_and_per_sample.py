@@ -204,6 +204,70 @@ def test_per_sample_linear_layers_skip_their_products(case, monkeypatch):
     assert made == ([] if case == "mlp-mse" else [(4, 3)])
 
 
+class _OnePosition(nn.Module):
+    """Convolutions with one output position.
+
+    A pooled gate (squeeze-excitation, LRASPP's scale) on a segmenter's maps, and a
+    classifier's last layers on a 1x1 map.
+    """
+
+    def __init__(self, segmenter: bool):
+        super().__init__()
+        self.segmenter = segmenter
+        self.body = nn.Conv2d(2, 4, 3, padding=1)
+        self.gate = nn.Conv2d(4, 4, 1, groups=2)  # on the pooled map
+        self.whole = nn.Conv2d(4, 6, 5)  # its kernel covers the 5x5 map: one position
+        self.padded = nn.Conv2d(6, 3, 3, padding=1)  # a 1x1 map, zero-padded
+        self.head = nn.Conv2d(4, 3, 1)
+        unused = (self.whole, self.padded) if segmenter else (self.head,)
+        for module in unused:
+            module.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        h = h * torch.sigmoid(self.gate(h.mean((2, 3), keepdim=True)))
+        if self.segmenter:
+            return self.head(h)
+        return self.padded(torch.tanh(self.whole(h))).flatten(1)
+
+
+@pytest.mark.parametrize("segmenter", [True, False], ids=["segmenter", "classifier"])
+def test_per_sample_one_position_convolutions_skip_their_products(segmenter, monkeypatch):
+    """A convolution with one output position: ``(sum_v g²) ⊗ patch²``, no products.
+
+    LRASPP's pooled 960 -> 128 scale made ``[V, N, 128, 960]`` products per sample
+    (6 GB in float64 for 3,072 columns): 35 s where the summed diagonal took 0.15 s.
+    Grouped, zero-padded and whole-map kernels, exact per sample.
+    """
+    from ggnchunk._rules.conv import ConvRule
+
+    made: list[tuple] = []
+    products = ConvRule.per_sample
+
+    def watched(self, ctx, grads):
+        made.append(tuple(ctx.module.weight.shape))
+        return products(self, ctx, grads)
+
+    monkeypatch.setattr(ConvRule, "per_sample", watched)
+    torch.manual_seed(5)
+    model = _OnePosition(segmenter).double()
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        out = model(x)
+    if segmenter:
+        loss, targets = nn.CrossEntropyLoss(), torch.randint(0, 3, (3, 5, 5))
+    else:
+        loss, targets = nn.MSELoss(reduction="sum"), torch.randn_like(out)
+    actual = ggnchunk.diag_ggn(model, loss, x, targets, per_sample=True, num_chunks=2)
+    for i in range(x.shape[0]):
+        expected = reference_diag_ggn(model, loss, x[i : i + 1], targets[i : i + 1])
+        scale = 1 / x.shape[0] if segmenter else 1.0  # the mean's share of one sample
+        got = {k: v[i] for k, v in actual.items()}
+        assert_diag_close(got, {k: scale * v for k, v in expected.items()}, rtol=1e-9)
+    one_position = {(4, 2, 1, 1)} | (set() if segmenter else {(6, 4, 5, 5), (3, 6, 3, 3)})
+    assert not one_position & set(made), made
+
+
 class _OneNumber(nn.Module):
     """One output number per sample, ``[N]`` (a regression or binary head squeezed)."""
 
