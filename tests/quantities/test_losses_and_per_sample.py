@@ -175,6 +175,19 @@ def test_per_sample_diagonals(case, kwargs):
         assert actual[name].shape == (n, *param.shape)
 
 
+def _products_made(rule: type, monkeypatch) -> list[tuple]:
+    """The weight shapes whose per-sample products ``rule.per_sample`` makes (a spy)."""
+    made: list[tuple] = []
+    products = rule.per_sample
+
+    def watched(self, ctx, grads):
+        made.append(tuple(ctx.module.weight.shape))
+        return products(self, ctx, grads)
+
+    monkeypatch.setattr(rule, "per_sample", watched)
+    return made
+
+
 @pytest.mark.parametrize("case", ["mlp-mse", "conv-tied-ce"])
 def test_per_sample_linear_layers_skip_their_products(case, monkeypatch):
     """A linear layer on one position per sample: ``(sum_v g²) ⊗ x²``, no products.
@@ -184,14 +197,7 @@ def test_per_sample_linear_layers_skip_their_products(case, monkeypatch):
     """
     from ggnchunk._rules.linear import LinearRule
 
-    made: list[tuple] = []
-    products = LinearRule.per_sample
-
-    def watched(self, ctx, grads):
-        made.append(tuple(ctx.module.weight.shape))
-        return products(self, ctx, grads)
-
-    monkeypatch.setattr(LinearRule, "per_sample", watched)
+    made = _products_made(LinearRule, monkeypatch)
     torch.manual_seed(3)
     if case == "mlp-mse":
         model, loss, x = _model(), nn.MSELoss(), X
@@ -241,14 +247,7 @@ def test_per_sample_one_position_convolutions_skip_their_products(segmenter, mon
     """
     from ggnchunk._rules.conv import ConvRule
 
-    made: list[tuple] = []
-    products = ConvRule.per_sample
-
-    def watched(self, ctx, grads):
-        made.append(tuple(ctx.module.weight.shape))
-        return products(self, ctx, grads)
-
-    monkeypatch.setattr(ConvRule, "per_sample", watched)
+    made = _products_made(ConvRule, monkeypatch)
     torch.manual_seed(5)
     model = _OnePosition(segmenter).double()
     x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
