@@ -310,6 +310,36 @@ def warnings_once() -> Iterator[None]:
         _SAID.reset(token)
 
 
+def note_forward_error(error: BaseException, model: nn.Module) -> None:
+    """Name the module in whose forward ``error`` was raised, as a note on the error.
+
+    The error keeps its type and traceback (code catching it still works); on Python
+    3.10, which has no notes, it is left as it is.
+
+    Args:
+        error: An exception raised by ``model``'s forward pass inside a call.
+        model: The user's model.
+    """
+    if not hasattr(error, "add_note"):
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    where, tb = None, error.__traceback__
+    while tb is not None:  # the innermost forward of one of the model's modules
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            where = owner
+        tb = tb.tb_next
+    if where is None:
+        return
+    name = names[id(where)] or "the model itself"
+    label = repr(name) if names[id(where)] else name
+    error.add_note(
+        f"ggnchunk: raised in the model's forward pass, in module {label} "
+        f"({type(where).__name__}), which ggnchunk runs as model(inputs); check that "
+        "model(inputs) runs on these inputs."
+    )
+
+
 def warn(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` at the user's frame, once per :func:`warnings_once` block.
 

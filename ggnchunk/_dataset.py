@@ -192,6 +192,23 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+_STATE_KEYS = ("sum", "normalizer", "num_samples", "num_batches")
+
+
+def _loss_tag(loss: nn.Module) -> str:
+    """What a checkpoint records of its loss: the class (or function) and reduction.
+
+    Args:
+        loss: The accumulator's loss module.
+
+    Returns:
+        For example ``"MSELoss(reduction='mean')"``.
+    """
+    fn = getattr(loss, "fn", None) if type(loss).__name__ == "FunctionLoss" else None
+    name = type(loss).__name__ if fn is None else getattr(fn, "__qualname__", "function")
+    return f"{name}(reduction={getattr(loss, 'reduction', None)!r})"
+
+
 class DiagGGNAccumulator:
     """Streaming GGN diagonal: ``update`` per batch, ``compute`` at the end.
 
@@ -314,7 +331,9 @@ class DiagGGNAccumulator:
         """A checkpoint of the accumulated state (tensors are copies).
 
         Returns:
-            ``{"sum": {name: tensor}, "normalizer", "num_samples", "num_batches"}``.
+            ``{"sum": {name: tensor}, "normalizer", "num_samples", "num_batches",
+            "loss"}``; ``"loss"`` names the loss and its reduction, so that a checkpoint
+            is not resumed with another loss.
         """
         return {
             "sum": None
@@ -323,6 +342,7 @@ class DiagGGNAccumulator:
             "normalizer": self.normalizer,
             "num_samples": self.num_samples,
             "num_batches": self.num_batches,
+            "loss": _loss_tag(self.loss_func),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -332,8 +352,29 @@ class DiagGGNAccumulator:
             state: The checkpoint.
 
         Raises:
-            ValueError: If its parameter names or shapes differ from the model's.
+            TypeError: If ``state`` is not a mapping.
+            ValueError: If a key is missing, if its parameter names or shapes differ
+                from the model's, or if it was made with another loss.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"state must be a dict made by DiagGGNAccumulator.state_dict(), got "
+                f"{type(state).__name__}."
+            )
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(
+                f"state lacks {missing}; load a checkpoint made by "
+                "DiagGGNAccumulator.state_dict() (it holds "
+                f"{[*_STATE_KEYS, 'loss']})."
+            )
+        tag, mine = state.get("loss"), _loss_tag(self.loss_func)
+        if tag is not None and tag != mine:  # checkpoints before the tag have none
+            raise ValueError(
+                f"state was accumulated with the loss {tag}, but this accumulator's "
+                f"loss is {mine}: a diagonal of one loss cannot be continued with "
+                "another; make the accumulator with the checkpoint's loss."
+            )
         names = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         total = state["sum"]
         if total is not None:

@@ -38,7 +38,7 @@ from ggnchunk._autograd import (
     module_backward_hooks_off,
     tensor_hooks_off_for_the_call,
 )
-from ggnchunk._checks import Batch, warn
+from ggnchunk._checks import Batch, note_forward_error, warn
 from ggnchunk._folding import folded_glue
 from ggnchunk._graph import Recording, UnusedParameterWarning
 from ggnchunk._graph.compress import Cut
@@ -437,13 +437,17 @@ class GGNComputation:
         # layers, and dynamo would trace through them
         # the model's backward hooks are not set up: they would run in every sweep
         hooked: dict[int, dict] = {}
-        with (
-            torch.enable_grad(),
-            folded_glue(batch, hooked),
-            _eager(),
-            module_backward_hooks_off(problem.model),
-        ):
-            output = problem.model(*self._batch.args, **self._batch.kwargs)
+        try:
+            with (
+                torch.enable_grad(),
+                folded_glue(batch, hooked),
+                _eager(),
+                module_backward_hooks_off(problem.model),
+            ):
+                output = problem.model(*self._batch.args, **self._batch.kwargs)
+        except Exception as error:  # the module it came from, named
+            note_forward_error(error, problem.model)
+            raise
         self._recording.remove()  # hooks only for this forward
         # hooks the forward put on tensors: muted for the sweeps (run in it as written)
         tensor_hooks_off_for_the_call(list(hooked.values()))

@@ -67,6 +67,27 @@ def test_accumulator_rejects_a_foreign_checkpoint():
         other.load_state_dict(acc.state_dict())
 
 
+def test_accumulator_rejects_another_loss_or_a_malformed_checkpoint():
+    model = _model()
+    acc = ggnchunk.DiagGGNAccumulator(model, nn.MSELoss())
+    acc.update(X[:2], torch.randn(2, 5))
+    state = acc.state_dict()
+    for loss_func in (nn.CrossEntropyLoss(), nn.MSELoss(reduction="sum")):
+        other = ggnchunk.DiagGGNAccumulator(model, loss_func)
+        with pytest.raises(ValueError, match=r"loss MSELoss\(reduction='mean'\), but"):
+            other.load_state_dict(state)
+        assert other.num_batches == 0  # nothing loaded
+    fresh = ggnchunk.DiagGGNAccumulator(model, nn.MSELoss())
+    with pytest.raises(ValueError, match=r"state lacks \['sum', 'normalizer'"):
+        fresh.load_state_dict({"num_samples": 2})
+    with pytest.raises(TypeError, match="state must be a dict"):
+        fresh.load_state_dict([state])
+    # a checkpoint from before the loss was recorded still loads
+    older = {k: v for k, v in state.items() if k != "loss"}
+    fresh.load_state_dict(older)
+    assert fresh.num_batches == 1
+
+
 def test_dataset_errors():
     model = _model()
     with pytest.raises(ValueError, match="no batch"):

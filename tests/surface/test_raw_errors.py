@@ -187,3 +187,34 @@ def test_a_lazy_module_not_initialized_yet():
         ValueError, match=r"'0.weight' is not initialized yet.*model\(inputs\)"
     ):
         ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11")
+@pytest.mark.parametrize("call", ["diag_ggn", "kron_ggn", "output_variance"])
+def test_an_error_in_the_forward_pass_names_the_module(call):
+    model, x, y = _Nested(), torch.randn(5, 7), torch.randn(5, 2)  # 7 features, not 3
+    if call == "diag_ggn":
+        run = lambda: ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)  # noqa: E731
+    elif call == "kron_ggn":
+        run = lambda: ggnchunk.kron_ggn(model, nn.MSELoss(), x, y)  # noqa: E731
+    else:
+        variance = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+        run = lambda: ggnchunk.output_variance(model, x, variance)  # noqa: E731
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as raised:
+        run()
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == [
+        "ggnchunk: raised in the model's forward pass, in module 'body.0' (Linear), "
+        "which ggnchunk runs as model(inputs); check that model(inputs) runs on these "
+        "inputs."
+    ]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
