@@ -4,12 +4,12 @@ Launch with torchrun (``gloo`` on CPU, ``nccl`` on GPUs)::
 
     .venv/bin/torchrun --nproc_per_node=2 experiments/distributed_diag.py
 
-``--mode dataset`` (default): each rank takes its share of the data with a
-``DistributedSampler`` and ``diag_ggn_dataset`` sums the partial diagonals with one
-all-reduce. ``--mode chunks``: every rank runs the forward pass on the same batch and
-its share of the output chunks (``diag_ggn(..., column_parallel=True)``). Rank 0 also
-computes the single-process result and prints the largest relative error. Without
-torchrun it runs as one process.
+``--mode dataset`` (default): each rank takes its share of the data (every
+``world_size``-th sample, no repeats: a ``DistributedSampler`` would pad with copies) and
+``diag_ggn_dataset`` sums the partial diagonals with one all-reduce. ``--mode chunks``:
+every rank runs the forward pass on the same batch and its share of the output chunks
+(``diag_ggn(..., column_parallel=True)``). Rank 0 also computes the single-process result
+and prints the largest relative error. Without torchrun it runs as one process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for torchrun's path
 
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if args.mode == "dataset":
         data = TensorDataset(x, x)
-        sampler = DistributedSampler(data, shuffle=False) if launched else None
-        loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+        share = Subset(data, range(rank, len(data), world)) if launched else data
+        loader = DataLoader(share, batch_size=args.batch_size)
         diag = ggnchunk.diag_ggn_dataset(model, loss_func, loader, progress=False,
                                          max_memory=args.max_memory)  # fmt: skip
     else:

@@ -23,7 +23,12 @@ from ggnchunk._checks import (
     usable,
     warnings_once,
 )
-from ggnchunk._distributed import rank_and_size, resolve_group
+from ggnchunk._distributed import (
+    check_same_output,
+    check_same_work,
+    rank_and_size,
+    resolve_group,
+)
 from ggnchunk._engine import (
     GGNComputation,
     Problem,
@@ -715,6 +720,16 @@ def _compute_parts(
         baseline = _set_up_outside(
             tracker, lambda: _warm_up(problem, kernels, total), report
         )
+    if group is not None:  # one batch's columns split: the same work on every rank
+        check_same_work(
+            group,
+            {
+                "model parameters and buffers": [*problem.model.parameters(),
+                                                 *problem.model.buffers()],
+                "inputs": batch.tensors(),
+                "targets": [] if targets is None else [targets],
+            },
+        )  # fmt: skip
     bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch
@@ -725,7 +740,9 @@ def _compute_parts(
         key = _cache_key(problem, part)
         run = GGNComputation(problem, part, sub_targets, scale, quantity, sampling, key)
         with run:
-            run.forward()
+            output = run.forward()
+        if group is not None:
+            check_same_output(group, output)
         if tracker is not None and _needs_batched_autograd(run):
             baseline += _set_up_outside(tracker, ensure_batched_autograd, report, True)
         columns = run.num_columns

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, evaluate
-from ggnchunk._checks import warnings_once
+from ggnchunk._checks import random_state_kept_on_error, warnings_once
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 from ggnchunk._quantities import Sampling
 from ggnchunk._sqrt_hessians import as_loss_module, averages
@@ -400,10 +400,33 @@ class DiagGGNAccumulator:
     def all_reduce(self, group: Any = None) -> None:
         """Sum the state over the ranks of a process group (all ranks must call it).
 
+        A rank that saw no batch joins with zeros (the others would otherwise wait in
+        the collective until the group's timeout).
+
         Args:
             group: A ``torch.distributed`` process group; ``None`` for the default one.
+
+        Raises:
+            ValueError: If the accumulator's options split columns over the ranks
+                (``column_parallel=True``): each update already summed the ranks'
+                shares of one same batch, and summing again would count it once per
+                rank.
         """
-        total = self._require()
+        if self.options.column_parallel:
+            raise ValueError(
+                "DiagGGNAccumulator.all_reduce sums the ranks' own batches, but this "
+                "accumulator has column_parallel=True: each update already summed the "
+                "ranks' shares of one batch, the same on every rank. Do not call "
+                "all_reduce then, or make the accumulator without column_parallel and "
+                "give each rank its own batches."
+            )
+        if self._sum is None:  # a rank without data still joins the collective
+            self._sum = {
+                n: torch.zeros_like(p)
+                for n, p in self.model.named_parameters()
+                if p.requires_grad
+            }
+        total = self._sum
         scalars = torch.tensor(
             [self.normalizer, float(self.num_samples), float(self.num_batches)],
             dtype=torch.float64,
@@ -412,6 +435,42 @@ class DiagGGNAccumulator:
         self._sum = dict(zip(total, reduced, strict=True))
         self.normalizer = float(scalars[0])
         self.num_samples, self.num_batches = int(scalars[1]), int(scalars[2])
+        if self.num_batches == 0:  # no rank saw a batch
+            self._sum = None
+
+
+def _refuse_padded_sampler(data: object) -> None:
+    """Refuse a ``DistributedSampler`` that repeats samples to even out the ranks.
+
+    With ``drop_last=False`` (its default) it pads the dataset with copies of its first
+    samples up to a multiple of the ranks, so their curvature would count twice: 10
+    samples on 3 ranks gave a diagonal 17% off.
+
+    Args:
+        data: The ``data`` argument of :func:`diag_ggn_dataset`.
+
+    Raises:
+        ValueError: If ``data`` is a ``DataLoader`` with such a sampler.
+    """
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not isinstance(data, DataLoader):
+        return
+    inner = getattr(data.batch_sampler, "sampler", None)
+    for sampler in (data.sampler, inner):
+        if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+            continue
+        extra = sampler.total_size - len(sampler.dataset)  # type: ignore[arg-type]
+        if extra > 0:
+            raise ValueError(
+                f"data's DistributedSampler repeats {extra} sample(s) so that "
+                f"{len(sampler.dataset)} samples split evenly over "  # type: ignore[arg-type]
+                f"{sampler.num_replicas} ranks; their curvature would count twice. "
+                "Give each rank its share without repeats instead, e.g. "
+                "DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), "
+                "batch_size=...) (ranks may hold different numbers of samples)."
+            )
 
 
 def diag_ggn_dataset(
@@ -447,8 +506,9 @@ def diag_ggn_dataset(
             only when standard error is a terminal.
         distributed: ``None``: sum over the ranks of the default process group if one is
             initialized; ``True``: require one; ``False``: never communicate. Each rank
-            iterates its own share (a ``DistributedSampler`` or the user's sharding);
-            every rank ends with the same result.
+            iterates its own share, without repeats (e.g. ``Subset(dataset,
+            range(rank, len(dataset), world_size))``; a ``DistributedSampler`` that pads
+            with copies is refused); every rank ends with the same result.
         options: The chunking settings for every batch, as one
             :class:`~ggnchunk.ChunkOptions` (optional); its ``progress`` shows a bar
             over the backward passes within each batch.
@@ -461,7 +521,9 @@ def diag_ggn_dataset(
         ``model.named_parameters()``.
 
     Raises:
-        ValueError: If ``data`` yields no batch (on all ranks).
+        ValueError: If ``data`` yields no batch (on all ranks), if its
+            ``DistributedSampler`` repeats samples, or if ``column_parallel=True`` is
+            given with a process group.
         TypeError: If a batch is neither an ``(inputs, targets)`` pair nor a dict.
         KeyError: If a dict batch lacks ``dict_key_x`` or ``dict_key_y``.
 
@@ -485,12 +547,23 @@ def diag_ggn_dataset(
             f"got {type(data).__name__}; wrap tensors as DataLoader(TensorDataset(X, y), "
             "batch_size=...)."
         )
+    _refuse_padded_sampler(data)
     sampling = {k: chunking.pop(k) for k in ("mc_samples", "generator") if k in chunking}
+    options = ChunkOptions.resolve(options, chunking, "diag_ggn_dataset")
     group = resolve_group(distributed, model)
+    if group is not None and options.column_parallel:
+        raise ValueError(
+            "diag_ggn_dataset: column_parallel=True splits one batch's columns over the "
+            "ranks, but with a process group each rank iterates its own batches and the "
+            "ranks' sums are added (data-parallel); the two together would split "
+            "different batches. Leave column_parallel out (each rank iterates its share "
+            "of the data), or pass distributed=False with column_parallel=True and the "
+            "same batches, in the same order, on every rank."
+        )
     accumulator = DiagGGNAccumulator(
         model,
         loss_func,
-        options=ChunkOptions.resolve(options, chunking, "diag_ggn_dataset"),
+        options=options,
         dict_key_x=dict_key_x,
         dict_key_y=dict_key_y,
         **sampling,
@@ -510,7 +583,9 @@ def diag_ggn_dataset(
             bar = tqdm(total=len(data) if hasattr(data, "__len__") else None,
                        desc="GGN diagonal", unit="batch")  # fmt: skip
     try:
-        with warnings_once():  # a finding about the model: said once, not per batch
+        # a finding about the model said once, not per batch; a loop that raises (a
+        # bad batch, an interrupt) leaves the random state as it was, as diag_ggn does
+        with warnings_once(), random_state_kept_on_error(device):
             for batch in data:
                 split_batch(batch, dict_key_x, dict_key_y)  # its shape, before any copy
                 report = accumulator.update(_to_device(batch, device))
@@ -523,13 +598,7 @@ def diag_ggn_dataset(
         if bar is not None:
             bar.close()
     if group is not None:
-        if accumulator._sum is None:  # a rank without data still joins the collective
-            accumulator._sum = {
-                n: torch.zeros_like(p)
-                for n, p in model.named_parameters()
-                if p.requires_grad
-            }
-        accumulator.all_reduce(group)
+        accumulator.all_reduce(group)  # a rank without data joins with zeros
     if accumulator.num_batches == 0:
         raise ValueError("data yielded no batch; pass a non-empty DataLoader or iterable.")
     return accumulator.compute()

@@ -13,7 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["all_reduce_sum", "rank_and_size", "resolve_group"]
+__all__ = [
+    "all_reduce_sum", "check_same_output", "check_same_work", "rank_and_size",
+    "resolve_group",
+]  # fmt: skip
 
 
 def resolve_group(distributed: bool | None, model: nn.Module) -> Any:
@@ -122,3 +125,120 @@ def all_reduce_sum(
         dist.all_reduce(scalars, group=group)
         scalars = scalars.cpu()
     return tensors, scalars
+
+
+# words (int16) summed at a time by the fingerprints: a chunk's int64 copy is 8 MiB
+_WORDS = 1 << 20
+
+
+def _fingerprint(tensors: list[Tensor]) -> int:
+    """A 60-bit digest of the tensors' bits, shapes and dtypes, the same on any device.
+
+    Integer sums of the bits (plain and position-weighted, exact in int64) rather than
+    floating-point sums, whose rounding can differ between devices and kernels.
+
+    Args:
+        tensors: The tensors, in a fixed order.
+
+    Returns:
+        The digest.
+    """
+    parts: list[object] = []
+    for tensor in tensors:
+        data = tensor.detach()
+        if data.layout != torch.strided:
+            data = data.to_dense()
+        data = data.contiguous().reshape(-1)
+        if data.dtype == torch.bool:
+            data = data.to(torch.uint8)
+        raw = data.view(torch.uint8)
+        if raw.numel() % 2:
+            raw = torch.cat([raw, raw.new_zeros(1)])
+        words = raw.view(torch.int16)
+        plain = weighted = 0
+        for start in range(0, words.numel(), _WORDS):
+            piece = words[start : start + _WORDS].long()
+            weights = torch.arange(start, start + piece.numel(), device=piece.device)
+            plain += int(piece.sum())
+            weighted += int((piece * (weights % 1021 + 1)).sum())
+        parts.append((tuple(tensor.shape), str(tensor.dtype), plain, weighted))
+    return int(hashlib.sha1(repr(parts).encode()).hexdigest()[:15], 16)
+
+
+def check_same_work(group: Any, parts: dict[str, list[Tensor]]) -> None:
+    """Refuse, on every rank at once, where the ranks would split different work.
+
+    Column-parallel calls split the columns of one forward pass over the ranks and sum
+    their shares: that is the diagonal only if every rank has the same model (values,
+    not only shapes), inputs and targets. Checked bit for bit, before the forward pass.
+
+    Args:
+        group: The process group.
+        parts: What must agree, by the name the error gives it (``"inputs"``, ...).
+
+    Raises:
+        ValueError: On every rank, if a part differs between ranks.
+    """
+    import torch.distributed as dist
+
+    names = list(parts)
+    digests = [_fingerprint(parts[name]) for name in names]
+    first = next((t for name in names for t in parts[name]), None)
+    device = _device_for(group, first.device if first is not None else torch.device("cpu"))
+    low = torch.tensor(digests, dtype=torch.int64, device=device)
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    differ = [name for name, a, b in zip(names, low.tolist(), high.tolist(), strict=True)
+              if a != b]  # fmt: skip
+    if differ:
+        raise ValueError(
+            f"column_parallel=True: the ranks' {' and '.join(differ)} differ. Each rank "
+            "computes a share of the columns of one batch and the shares are summed, so "
+            "every rank must call with the same model (the same parameter and buffer "
+            "values: load the same weights, or broadcast them from rank 0), inputs and "
+            "targets. For a different batch on each rank use diag_ggn_dataset (which "
+            "sums the ranks' batches) or DiagGGNAccumulator.all_reduce instead."
+        )
+
+
+def check_same_output(group: Any, output: Tensor) -> None:
+    """Refuse, on every rank at once, where the ranks' forward passes computed differently.
+
+    With the same model and inputs (:func:`check_same_work`), a forward pass that draws
+    random numbers (dropout in training mode, a VAE's noise) still differs between ranks
+    unless their random states agree; each rank's share would be of its own draws.
+    Compared within 1e-3 of the output's norm, so that kernels that sum in another
+    order do not count as a difference (a random draw differs by far more).
+
+    Args:
+        group: The process group.
+        output: This rank's model output.
+
+    Raises:
+        ValueError: On every rank, if the outputs differ.
+    """
+    import torch.distributed as dist
+
+    values = output.detach().double().reshape(-1)
+    weights = torch.cos(
+        torch.arange(values.numel(), device=values.device, dtype=torch.float64)
+    )
+    stats = torch.stack([(values * weights).sum(), values.square().sum()])
+    device = _device_for(group, stats.device)
+    low = stats.to(device)
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    norm = float(high[1]) ** 0.5
+    scale = norm * float(weights.norm()) + 1e-30
+    if float(high[0] - low[0]) > 1e-3 * scale or float(high[1] - low[1]) > 1e-3 * (
+        float(high[1]) + 1e-30
+    ):
+        raise ValueError(
+            "column_parallel=True: the ranks' forward passes gave different outputs for "
+            "the same model and inputs, so the model draws random numbers in forward "
+            "(dropout in training mode, a VAE's noise) and the ranks' random states "
+            "differ. Seed every rank alike before the call (torch.manual_seed(seed) on "
+            "each), or call model.eval() where the draws are not part of the model."
+        )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, _compute, _legacy_distributed
 from ggnchunk._checks import check_batch
-from ggnchunk._distributed import resolve_group
+from ggnchunk._distributed import check_same_work, resolve_group
 from ggnchunk._engine import Problem, full_float32, model_lock
 from ggnchunk._quantities import OutputVariance
 
@@ -168,6 +168,8 @@ def output_variance(
         list(zip(problem.names, problem.params, strict=True)), inputs, placeholder
     )
     group = resolve_group(True, model) if options.column_parallel else None
+    if group is not None:
+        check_same_work(group, {"posterior_variance": list(variance)})
     spec = partial(OutputVariance, variance=variance)
     with (
         model_lock(model),

@@ -212,8 +212,11 @@ class ChunkScheduler:
                 self.what,
             )  # fmt: skip
             budget = self.budget
-            if budget is None:  # auto mode without a budget: 90% of what is free
-                budget = int(0.9 * (backend.free() + executor.level()))
+            if budget is None:  # auto mode without a budget: 90% of what is free,
+                # rounded down to 3 significant bits so that the cache's key (which
+                # holds it) is the same from call to call (22 entries for 30 identical
+                # calls when the free bytes were the key)
+                budget = _coarse(int(0.9 * (backend.free() + executor.level())))
             report.budget_bytes = budget
             planner = BudgetPlanner(executor, budget, total, type(backend))
             # a given budget caps the device's allocator (cuDNN's workspaces are sized
@@ -230,6 +233,19 @@ class ChunkScheduler:
                     executor.cap = None
         executor.warn_if_recovered()
         return executor.result, report
+
+
+def _coarse(size: int) -> int:
+    """``size`` rounded down to its 3 most significant bits (at most 1/8 less).
+
+    Args:
+        size: Bytes, at least 0.
+
+    Returns:
+        The rounded bytes.
+    """
+    step = 1 << max(0, size.bit_length() - 3)
+    return size - size % step
 
 
 def _run_adaptive(

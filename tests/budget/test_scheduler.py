@@ -1003,3 +1003,35 @@ def test_the_schedulers_cache_holds_at_most_its_size(monkeypatch):
         sim = SimulatedMemory()
         ChunkScheduler(max_memory="64MiB", cache_key=key, tracker=sim).run(20, sim.run)
     assert len(autotune.CACHE) == 4
+
+
+def test_auto_without_a_budget_finds_its_decision_again(monkeypatch):
+    """Auto mode without max_memory finds its cached decision in the next call.
+
+    It plans for 90% of the free memory, which moves by some KiB from call to call: the
+    cache's key holds it rounded (30 identical calls made 22 entries and re-ran the
+    trials when it held the free bytes).
+    """
+    from ggnchunk._memory.backends import HostMemory
+    from ggnchunk._scheduling.autotune import CACHE
+
+    free = itertools.count(20 * 2**30, 4099)  # a little more free memory every call
+    monkeypatch.setattr(HostMemory, "free", lambda self: next(free))
+    ggnchunk.clear_autotune_cache()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 40))
+    x, y = torch.randn(16, 6), torch.randn(16, 40)
+    expected = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+    reports = []
+    for _ in range(6):
+        diag, report = ggnchunk.diag_ggn(
+            model, nn.MSELoss(), x, y, chunk_size="auto", return_report=True
+        )
+        assert_diag_close(diag, expected, rtol=1e-5)
+        reports.append(report.schedules[0])
+    assert len(CACHE) == 1
+    assert not reports[0].from_cache and all(r.from_cache for r in reports[1:])
+    budgets = {r.budget_bytes for r in reports}
+    assert (
+        len(budgets) == 1 and 0.875 * 0.9 * 20 * 2**30 < budgets.pop() <= 0.9 * 20 * 2**30
+    )

@@ -92,6 +92,31 @@ def _run_mode(rank: int, world: int, mode: str, out: str) -> None:
                 batch_chunk_size=4,
             )  # fmt: skip
             result = {"per_sample": per_sample, "variance": variance}
+        elif mode == "dataset-column-parallel":  # refused: each rank has its own batches
+            result = ggnchunk.diag_ggn_dataset(
+                model, loss_func, [(x, y)], progress=False, column_parallel=True
+            )
+        elif mode in ("different-weights", "different-inputs", "different-draws"):
+            if mode == "different-weights" and rank == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] += 1e-6  # one value, far below any tolerance
+            if mode == "different-inputs" and rank == 1:
+                x = x.clone()
+                x[3, 2] += 1e-6
+            if mode == "different-draws":  # dropout in training mode, seeds not alike
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Tanh(),
+                                      nn.Linear(6, 5)).train()  # fmt: skip
+                torch.manual_seed(10 + rank)
+            result = ggnchunk.diag_ggn(model, loss_func, x, y, column_parallel=True,
+                                       num_chunks=2)  # fmt: skip
+        elif mode == "accumulator-empty-rank":  # rank 1 saw no batch, joins with zeros
+            accumulator = ggnchunk.DiagGGNAccumulator(model, loss_func, num_chunks=2)
+            if rank == 0:
+                accumulator.update(x[:6], y[:6])
+                accumulator.update(x[6:], y[6:])
+            accumulator.all_reduce()
+            result = accumulator.compute()
         else:  # chunk-parallel: same batch everywhere, columns split over the ranks
             result = ggnchunk.diag_ggn(model, loss_func, x, y, column_parallel=True,
                                        num_chunks=2)  # fmt: skip

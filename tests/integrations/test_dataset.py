@@ -289,3 +289,52 @@ def test_a_checkpoint_of_another_shape_names_the_parameter_and_shapes():
     other = ggnchunk.DiagGGNAccumulator(large, nn.MSELoss())
     with pytest.raises(ValueError, match=r"\['0.weight'\] has shape \(8, 5\).*\(9, 5\)"):
         other.load_state_dict(saved.state_dict())
+
+
+def test_a_distributed_sampler_that_repeats_samples_is_refused():
+    """Its default padding repeats samples: 10 on 3 ranks made a diagonal 17% off."""
+    from torch.utils.data import DistributedSampler
+
+    data = TensorDataset(X[:10], torch.randn(10, 5))
+    padded = DistributedSampler(data, num_replicas=3, rank=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"repeats 2 sample\(s\) .* over 3 ranks"):
+        ggnchunk.diag_ggn_dataset(
+            _model(), nn.MSELoss(), DataLoader(data, batch_size=4, sampler=padded)
+        )
+    # no padding (10 on 2 ranks), or padding dropped: the samples it gives, once each
+    model = _model().eval()
+    for sampler in (
+        DistributedSampler(data, num_replicas=2, rank=1, shuffle=False),
+        DistributedSampler(data, num_replicas=3, rank=2, shuffle=False, drop_last=True),
+    ):
+        share = list(sampler)
+        actual = ggnchunk.diag_ggn_dataset(
+            model, nn.MSELoss(reduction="sum"),
+            DataLoader(data, batch_size=2, sampler=sampler), progress=False,
+        )  # fmt: skip
+        expected = reference_diag_ggn(
+            model, nn.MSELoss(reduction="sum"), X[share], data.tensors[1][share]
+        )
+        assert_diag_close(actual, expected, rtol=1e-5)
+
+
+def test_a_dataset_loop_that_raises_leaves_the_random_state_as_it_was():
+    """The first batch's forward pass draws dropout masks; the second batch is bad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Dropout(0.5), nn.Linear(6, 2)).train()
+    batches = [
+        (torch.randn(4, 3), torch.randn(4, 2)),
+        (torch.randn(4, 3), torch.randn(4, 1)),
+    ]
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="targets have shape"):
+        ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), batches, progress=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    ggnchunk.diag_ggn_dataset(model, nn.MSELoss(), batches[:1], progress=False)
+    assert not torch.equal(torch.get_rng_state(), state)  # a call that returns: advanced
+
+
+def test_all_reduce_of_a_column_parallel_accumulator_is_refused():
+    accumulator = ggnchunk.DiagGGNAccumulator(_model(), nn.MSELoss(), column_parallel=True)
+    with pytest.raises(ValueError, match="all_reduce sums the ranks' own batches, but"):
+        accumulator.all_reduce()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -21,7 +22,10 @@ pytestmark = pytest.mark.skipif(
 
 MODES = [
     "dataset", "chunk-parallel", "empty-rank", "global-chunks", "three-columns", "kron",
-    "sub-batches", "mismatch",  # last: both ranks refuse, in step
+    "sub-batches", "accumulator-empty-rank",
+    # both ranks refuse, in step
+    "mismatch", "dataset-column-parallel", "different-weights", "different-inputs",
+    "different-draws",
 ]  # fmt: skip
 _OUTCOMES: dict[str, tuple[list, list[str], list]] = {}
 
@@ -51,7 +55,9 @@ def _run(mode: str) -> tuple[list, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dataset", "chunk-parallel", "empty-rank"])
+@pytest.mark.parametrize(
+    "mode", ["dataset", "chunk-parallel", "empty-rank", "accumulator-empty-rank"]
+)
 def test_two_ranks_equal_one_process(mode):
     x, y = data()
     expected = ggnchunk.diag_ggn(model_for(0, False), nn.MSELoss(), x, y)
@@ -92,6 +98,27 @@ def test_ranks_with_different_models_are_refused():
     assert all("disagree on the model's trainable parameters" in e for e in errors)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, words",
+    [
+        ("dataset-column-parallel", "diag_ggn_dataset: column_parallel=True splits one"),
+        ("different-weights", "the ranks' model parameters and buffers differ"),
+        ("different-inputs", "the ranks' inputs differ"),
+        ("different-draws", "forward passes gave different outputs .* Seed every rank"),
+    ],
+)
+def test_ranks_that_would_split_different_work_are_refused(mode, words):
+    """Column-parallel sums are of one batch's columns: every rank holds the same work.
+
+    They silently summed shares of different models, inputs or random draws (relative
+    errors 0.34-2.3); now every rank refuses in step (no rank left waiting).
+    """
+    results, errors = _run(mode)
+    assert not results and len(errors) == 2
+    assert all(re.search(words, e.replace("\n", " ")) for e in errors), errors[0]
+
+
 def test_chunk_parallel_without_a_process_group():
     x, y = data()
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -123,3 +150,27 @@ def test_sub_batches_on_two_ranks_equal_one_process():
     for rank, result in enumerate(results):
         assert_diag_close(result["per_sample"], per_sample, rtol=1e-5, label=f"rank {rank}")
         torch.testing.assert_close(result["variance"], variance, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool,
+              torch.uint8, torch.complex64],
+)  # fmt: skip
+def test_the_work_fingerprint_sees_every_bit_and_shape(dtype):
+    from ggnchunk._distributed import _fingerprint
+
+    torch.manual_seed(0)
+    base = (torch.randn(3, 5, dtype=torch.float64) * 3).to(dtype)  # 15 elements: odd
+    same = _fingerprint([base.T.contiguous().T])  # the same values, copied
+    assert _fingerprint([base]) == same == _fingerprint([base.clone()])
+    assert _fingerprint([base.reshape(5, 3)]) != same  # the same bits, another shape
+    assert _fingerprint([base[:, :4]]) != same
+    assert _fingerprint([base, base]) != same
+    bits = base.clone().view(torch.uint8) if dtype != torch.bool else base.clone()
+    flat = bits.reshape(-1)
+    flat[7] = ~flat[7] if dtype == torch.bool else flat[7] ^ 1  # one bit of one value
+    assert _fingerprint([bits.view(dtype) if dtype != torch.bool else bits]) != same
+    swapped = base.clone().reshape(-1)
+    swapped[[2, 9]] = swapped[[9, 2]]  # two values trade places
+    if not torch.equal(swapped, base.reshape(-1)):
+        assert _fingerprint([swapped.reshape(3, 5)]) != same
