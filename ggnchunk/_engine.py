@@ -236,6 +236,14 @@ class Problem:
                 "model has no parameters with requires_grad=True, so its GGN diagonal is "
                 "empty. Unfreeze the parameters whose diagonal you need."
             )
+        made = [n for n, p in params if not nn.parameter.is_lazy(p) and p.is_inference()]
+        if made:
+            raise ValueError(
+                f"the parameter {made[0]!r} is an inference tensor (made inside "
+                "torch.inference_mode(), e.g. by loading or building the model there), "
+                "which autograd cannot differentiate. Build the model and load its "
+                "weights (load_state_dict) outside inference_mode."
+            )
         lazy = [n for n, p in params if nn.parameter.is_lazy(p)]
         if lazy:
             raise ValueError(
@@ -475,6 +483,7 @@ class GGNComputation:
             raise ValueError(
                 "the model output does not depend on any trainable parameter; check "
                 "requires_grad of the model's parameters."
+                + self._recording.why_no_gradient()
             )
         if output.dtype != problem.dtype:
             raise ValueError(

@@ -380,6 +380,27 @@ class Recording(Sweeps, MemoryBound, Checks):
                     tied[i] = (head.index, embedding.index)
         return tied
 
+    def why_no_gradient(self) -> str:
+        """Why an output without gradient has none, as far as the recording saw.
+
+        Returns:
+            A sentence for the error (empty where no layer with trainable parameters
+            ran with gradients disabled).
+
+        Raises:
+            ValueError: If one ran inside a reentrant ``torch.utils.checkpoint``.
+        """
+        if self.in_checkpoint is not None:
+            _refuse_reentrant(f"around {_display(self.in_checkpoint)}")
+        if not self.without_grad:
+            return ""
+        names = [f"{_display(n)} ({k})" for n, k in list(self.without_grad.items())[:3]]
+        return (
+            f" {', '.join(names)} ran with gradients disabled in the forward pass "
+            "(inside torch.no_grad() or torch.inference_mode() in forward): run them "
+            "with gradients enabled."
+        )
+
     def _warn_without_grad(self, uses: dict[int, int]) -> set[int]:
         """Warn about layers whose trainable parameters ran only with gradients off.
 

@@ -218,3 +218,45 @@ def test_an_error_in_the_forward_pass_names_the_module(call):
         "inputs."
     ]
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_parameters_made_in_inference_mode_are_named():
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'0.weight' is an inference tensor .*outside"):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), torch.randn(5, 3), torch.randn(5, 2))
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        def body(t):
+            return self.b(torch.tanh(self.a(t)))
+
+        if self.reentrant is None:
+            with torch.no_grad():
+                return body(x)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(body, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize(
+    "reentrant, words",
+    [
+        (None, r"depend on any .* model.a \(Linear\), model.b \(Linear\) ran with "
+               r"gradients disabled in the forward pass \(inside torch.no_grad\(\)"),
+        (True, r"checkpoint with use_reentrant=True \(around model.a\).*"
+               r"use_reentrant=False"),
+    ],
+)  # fmt: skip
+def test_an_output_without_gradient_says_which_layers_ran_without(reentrant, words):
+    """The checkpoint's inputs (the data) need no grad: its output has none at all."""
+    model = _NoGradInside(reentrant)
+    with pytest.raises(ValueError, match=words):
+        ggnchunk.diag_ggn(model, nn.MSELoss(), torch.randn(5, 3), torch.randn(5, 2))
