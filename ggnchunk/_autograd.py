@@ -373,7 +373,14 @@ def batched_grad(
     # torch cannot batch a kernel on the way (nor loop over it): one column at a time,
     # exact, and said like vmap's own per-column loops
     if note is not None:
-        note(match.group(1))
+        operation = match.group(1)
+        if operation == "aten::item" and torch.is_anomaly_enabled():
+            # no layer of the user's: anomaly mode checks every gradient with ``item``
+            operation += (
+                " (torch.autograd.detect_anomaly() checks every gradient with it: "
+                "turn anomaly detection off for this call)"
+            )
+        note(operation)
     return _one_by_one(outputs, inputs, grad_outputs)
 
 

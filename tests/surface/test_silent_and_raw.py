@@ -321,3 +321,23 @@ def test_a_tensor_changed_in_place_after_it_was_saved_is_named():
     model = _ChangedAfterSaved().double()
     with pytest.raises(ValueError, match=r"changed a tensor in place .*t = t.clone\(\)"):
         ggnchunk.diag_ggn(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=torch.float64))
+
+
+def test_anomaly_detection_is_named_as_the_slow_kernel_and_the_result_is_exact():
+    """Anomaly mode's check of every gradient is named as the slow kernel.
+
+    It checks with ``item``, which vmap cannot batch: the columns then go one at a time,
+    and the warning named a layer's glue as the cause.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))
+    model = model.double()
+    x = torch.randn(4, 1, 4, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autograd.detect_anomaly():
+            actual = ggnchunk.diag_ggn(model, nn.MSELoss(), x, y)
+    slow = [str(w.message) for w in caught if w.category is ggnchunk.SlowBackwardWarning]
+    assert len(slow) == 1 and "aten::item (torch.autograd.detect_anomaly()" in slow[0]
+    assert_diag_close(actual, reference_diag_ggn(model, nn.MSELoss(), x, y), rtol=1e-10)
