@@ -152,8 +152,8 @@ def _fingerprint(tensors: list[Tensor]) -> int:
         if data.dtype == torch.bool:
             data = data.to(torch.uint8)
         raw = data.view(torch.uint8)
-        if raw.numel() % 2:
-            raw = torch.cat([raw, raw.new_zeros(1)])
+        if raw.numel() % 2 or raw.storage_offset() % 2:  # whole int16 words, aligned
+            raw = torch.cat([raw, raw.new_zeros(raw.numel() % 2)])
         words = raw.view(torch.int16)
         plain = weighted = 0
         for start in range(0, words.numel(), _WORDS):

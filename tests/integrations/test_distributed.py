@@ -166,6 +166,8 @@ def test_the_work_fingerprint_sees_every_bit_and_shape(dtype):
     assert _fingerprint([base.reshape(5, 3)]) != same  # the same bits, another shape
     assert _fingerprint([base[:, :4]]) != same
     assert _fingerprint([base, base]) != same
+    odd = torch.cat([base.reshape(-1)[:1], base.reshape(-1)])[1:]  # a view at offset 1
+    assert _fingerprint([odd.reshape(3, 5)]) == same
     bits = base.clone().view(torch.uint8) if dtype != torch.bool else base.clone()
     flat = bits.reshape(-1)
     flat[7] = ~flat[7] if dtype == torch.bool else flat[7] ^ 1  # one bit of one value
