@@ -694,6 +694,18 @@ def _compute_parts(
     quantity of the first sub-batch with the later ones merged into it (and summed over
     the ranks of ``group``).
     """
+    # one batch's columns split: the same work on every rank (checked before the
+    # memory baseline: its few MiB of scratch are not the budget's)
+    if group is not None:
+        check_same_work(
+            group,
+            {
+                "model parameters and buffers": [*problem.model.parameters(),
+                                                 *problem.model.buffers()],
+                "inputs": batch.tensors(),
+                "targets": [] if targets is None else [targets],
+            },
+        )  # fmt: skip
     size = batch.size
     report = GGNReport(
         batch_chunks=plan_chunks(size, chunk_size=options.batch_chunk_size or size,
@@ -720,16 +732,6 @@ def _compute_parts(
         baseline = _set_up_outside(
             tracker, lambda: _warm_up(problem, kernels, total), report
         )
-    if group is not None:  # one batch's columns split: the same work on every rank
-        check_same_work(
-            group,
-            {
-                "model parameters and buffers": [*problem.model.parameters(),
-                                                 *problem.model.buffers()],
-                "inputs": batch.tensors(),
-                "targets": [] if targets is None else [targets],
-            },
-        )  # fmt: skip
     bar = _progress_bar(options.progress)
     for start, stop in report.batch_chunks:
         part = batch.slice(start, stop) if (start, stop) != (0, size) else batch

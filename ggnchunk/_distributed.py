@@ -127,8 +127,10 @@ def all_reduce_sum(
     return tensors, scalars
 
 
-# words (int16) summed at a time by the fingerprints: a chunk's int64 copy is 8 MiB
-_WORDS = 1 << 20
+# words (int16) summed at a time by the fingerprints: a chunk's int64 copy is 2 MiB
+_WORDS = 1 << 18
+# output values projected at a time (after the forward pass, inside a call's budget)
+_VALUES = 1 << 16
 
 
 def _fingerprint(tensors: list[Tensor]) -> int:
@@ -223,8 +225,8 @@ def check_same_output(group: Any, output: Tensor) -> None:
 
     flat = output.detach().reshape(-1)
     stats = torch.zeros(3, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _WORDS):  # a few MiB at a time
-        values = flat[start : start + _WORDS].double()
+    for start in range(0, flat.numel(), _VALUES):  # inside the budget: 2 MiB at most
+        values = flat[start : start + _VALUES].double()
         positions = torch.arange(start, start + values.numel(), device=values.device,
                                  dtype=torch.float64)  # fmt: skip
         # two fixed directions: a difference's projections on them are about its norm
