@@ -14,7 +14,8 @@ closure that refreshes it every ``update_every`` steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,8 +36,11 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
     and ``step(closure)`` re-enables grad around the closure.
 
     Args:
-        params: Parameters, parameter groups, or ``model.named_parameters()`` (then
-            curvature is matched by name; otherwise by order).
+        params: Parameters, parameter groups, or ``model.named_parameters()``. The
+            :meth:`closure` matches curvature to parameters by identity; a diagonal
+            handed to :meth:`update_curvature` without its model is matched by name
+            (``named_parameters()``) or else by order. Frozen parameters
+            (``requires_grad=False``) may be among them: they are skipped.
         lr: Step size, ``> 0``.
         damping: Added to the curvature before dividing, ``> 0``.
         beta: Moving-average factor of the curvature, ``0 <= beta < 1`` (0: use the
@@ -78,30 +82,39 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _validate(group: dict[str, Any]) -> None:
+        def number(value: Any) -> bool:
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+
         checks = {
-            "lr": (group["lr"] > 0, "a positive step size"),
-            "damping": (group["damping"] > 0, "positive"),
-            "beta": (0 <= group["beta"] < 1, "in [0, 1)"),
-            "weight_decay": (group["weight_decay"] >= 0, "non-negative"),
+            "lr": (lambda v: number(v) and v > 0, "a finite positive step size"),
+            "damping": (lambda v: number(v) and v > 0, "finite and positive"),
+            "beta": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
+            "weight_decay": (lambda v: number(v) and v >= 0, "finite and non-negative"),
             "update_every": (
-                isinstance(group["update_every"], int)
-                and not isinstance(group["update_every"], bool)
-                and group["update_every"] >= 1,
+                lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "an int >= 1",
             ),
         }
         for name, (ok, what) in checks.items():
-            if not ok:
+            if not ok(group[name]):
                 raise ValueError(f"Invalid {name}: {group[name]!r}; it must be {what}.")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (its hyperparameters are validated like the defaults).
+        """Add a group (its hyperparameters are validated like the defaults, first).
 
         Args:
             param_group: As for any ``torch.optim.Optimizer``.
+
+        Raises:
+            ValueError: If a hyperparameter is invalid (the group is not added).
         """
+        if isinstance(param_group, dict):  # (torch's own error for anything else)
+            self._validate({**self.defaults, **param_group})
         super().add_param_group(param_group)
-        self._validate(self.param_groups[-1])
 
     # -- curvature ----------------------------------------------------------------------
     def _named(self) -> list[tuple[str | None, nn.Parameter, dict[str, Any]]]:
@@ -112,20 +125,36 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
         return named
 
     @torch.no_grad()
-    def update_curvature(self, diag: dict[str, Tensor]) -> None:
+    def update_curvature(
+        self, diag: dict[str, Tensor], model: nn.Module | None = None
+    ) -> None:
         """Fold a GGN diagonal into the moving average.
 
         Args:
-            diag: What :func:`ggnchunk.diag_ggn` returns. Matched by parameter name when
-                the optimizer was built from ``named_parameters()``, else by order.
+            diag: What :func:`ggnchunk.diag_ggn` returns (its trainable parameters).
+            model: The model ``diag`` is of: then matched by parameter identity (any
+                order, any way the optimizer was built). Without it, matched by name
+                when the optimizer was built from ``named_parameters()``, else by order.
+                Parameters with ``requires_grad=False`` (which ``diag`` leaves out) are
+                skipped either way.
 
         Raises:
-            KeyError: If a parameter's name is missing from ``diag``.
+            KeyError: If a trainable parameter's name is missing from ``diag``.
             ValueError: If the number of entries or a shape does not match.
         """
-        named = self._named()
-        by_name = all(name is not None for name, _, _ in named)
-        if by_name:
+        named = [(n, p, g) for n, p, g in self._named() if p.requires_grad]
+        if model is not None:
+            ids = {id(p): name for name, p in model.named_parameters()}
+            missing = [n or "a parameter" for n, p, _ in named
+                       if ids.get(id(p)) not in diag]  # fmt: skip
+            if missing:
+                raise KeyError(
+                    f"diag has no entry for the optimizer's parameter(s) {missing[:3]}: "
+                    "they are not trainable parameters of model; build the optimizer "
+                    "from that model's parameters."
+                )
+            values = [diag[ids[id(p)]] for _, p, _ in named]
+        elif all(name is not None for name, _, _ in named):
             missing = [name for name, _, _ in named if name not in diag]
             if missing:
                 raise KeyError(
@@ -138,8 +167,8 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
             if len(values) != len(named):
                 raise ValueError(
                     f"diag has {len(values)} entries but the optimizer has {len(named)} "
-                    "parameters; build the optimizer from model.named_parameters() to "
-                    "match by name."
+                    "trainable parameters; pass model=... (or build the optimizer from "
+                    "model.named_parameters()) to match them by identity or name."
                 )
         for (name, param, group), value in zip(named, values, strict=True):
             if value.shape != param.shape:
@@ -157,18 +186,23 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
 
     @property
     def curvature_due(self) -> bool:
-        """Whether the next step should refresh the curvature (every ``update_every``)."""
-        _, param, group = self._named()[0]
-        state = self.state.get(param, {})
-        if "curvature" not in state or "step" not in state:  # (a closure run alone)
+        """Whether the next step should refresh the curvature (every ``update_every``).
+
+        Counted in the optimizer's steps: the most steps any parameter took (a parameter
+        that some steps leave without a gradient does not hold the count back), with the
+        first group's ``update_every``.
+        """
+        states = [self.state.get(p, {}) for _, p, _ in self._named()]
+        steps = [int(s["step"].item()) for s in states if "step" in s]
+        if not steps or not any("curvature" in s for s in states):  # (a closure alone)
             return True
-        return int(state["step"].item()) % group["update_every"] == 0
+        return max(steps) % self.param_groups[0]["update_every"] == 0
 
     def closure(
         self,
         model: nn.Module,
         loss_func: nn.Module,
-        inputs: Tensor,
+        inputs: Tensor | tuple | list | Mapping[str, Any],
         targets: Tensor,
         options: ChunkOptions | None = None,
         **chunking: Any,
@@ -181,7 +215,9 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
         Args:
             model: The model whose parameters this optimizer holds.
             loss_func: Its loss.
-            inputs: The batch's inputs.
+            inputs: The batch's inputs, as in :func:`ggnchunk.diag_ggn`: a tensor
+                (``model(inputs)``), a tuple/list (``model(*inputs)``) or a dict
+                (``model(**inputs)``).
             targets: The batch's targets.
             options: The chunking settings as one :class:`~ggnchunk.ChunkOptions`
                 (optional); checked now, not when the closure runs.
@@ -195,8 +231,14 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
 
         def closure() -> Tensor:
             self.zero_grad()
-            if not self.curvature_due:
-                loss = loss_func(model(inputs), targets)
+            if not self.curvature_due:  # the model called as ggnchunk calls it
+                if isinstance(inputs, Mapping):
+                    output = model(**inputs)
+                elif isinstance(inputs, (tuple, list)):
+                    output = model(*inputs)
+                else:
+                    output = model(inputs)
+                loss = loss_func(output, targets)
                 loss.backward()
                 return loss.detach()
             loss, grad, diag = loss_grad_and_diag_ggn(
@@ -206,7 +248,7 @@ class DiagGGNOptimizer(torch.optim.Optimizer):
             for name, value in grad.items():
                 # the gradient hooks loss.backward() would have run (clipping, say)
                 params[name].grad = as_hooks_leave_it(params[name], value)
-            self.update_curvature(diag)
+            self.update_curvature(diag, model)
             return loss
 
         return closure

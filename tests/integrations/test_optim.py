@@ -24,7 +24,10 @@ def _problem():
     [({"lr": 0}, "lr"), ({"lr": -1.0}, "lr"), ({"damping": 0}, "damping"),
      ({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta"),
      ({"weight_decay": -1}, "weight_decay"),
-     ({"update_every": 0}, "update_every"), ({"update_every": 1.5}, "update_every")],
+     ({"update_every": 0}, "update_every"), ({"update_every": 1.5}, "update_every"),
+     ({"lr": "0.1"}, "lr"), ({"lr": float("inf")}, "lr"), ({"lr": True}, "lr"),
+     ({"damping": float("inf")}, "damping"), ({"beta": float("nan")}, "beta"),
+     ({"weight_decay": float("inf")}, "weight_decay")],
 )  # fmt: skip
 def test_hyperparameters_are_validated(kwargs, name):
     model = _problem()[0]
@@ -33,6 +36,7 @@ def test_hyperparameters_are_validated(kwargs, name):
     opt = DiagGGNOptimizer(model[0].parameters())
     with pytest.raises(ValueError, match=f"Invalid {name}"):
         opt.add_param_group({"params": model[2].parameters(), **kwargs})
+    assert len(opt.param_groups) == 1  # a refused group is not kept (it was, with lr -1)
 
 
 def test_step_before_curvature_is_a_clear_error():
@@ -64,7 +68,9 @@ def test_curvature_refreshed_every_k_steps(monkeypatch):
     opt = DiagGGNOptimizer(model.named_parameters(), update_every=3)
     calls = []
     original = opt.update_curvature
-    monkeypatch.setattr(opt, "update_curvature", lambda d: (calls.append(1), original(d)))
+    monkeypatch.setattr(
+        opt, "update_curvature", lambda d, m=None: (calls.append(1), original(d, m))
+    )
     closure = opt.closure(model, loss_func, x, y)
     for _ in range(7):
         opt.step(closure)
@@ -130,3 +136,97 @@ def test_the_closure_runs_the_parameters_gradient_hooks_on_every_step():
         for handle in handles:
             handle.remove()
     assert float(expected[0].abs().max()) == 2e-3  # the hooks did act
+
+
+def _float64_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)).double()
+    x = torch.randn(16, 5, dtype=torch.float64)
+    return model, nn.MSELoss(), x, torch.sin(x)
+
+
+def test_the_closure_matches_curvature_to_parameters_by_identity():
+    """Each parameter gets its own diagonal, whatever order the optimizer holds.
+
+    Built from parameters in another order than the model's (same shapes), a parameter
+    got another's diagonal, matched by order.
+    """
+    model, loss_func, x, y = _float64_problem()
+    diag = ggnchunk.diag_ggn(model, loss_func, x, y)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = list(model.parameters())[::-1]
+    opt = DiagGGNOptimizer(params, beta=0.5)
+    opt.step(opt.closure(model, loss_func, x, y))
+    for param in params:
+        expected = 0.5 * diag[names[id(param)]]
+        assert torch.allclose(opt.state[param]["curvature"], expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_frozen_parameters_are_skipped(named):
+    model, loss_func, x, y = _float64_problem()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    diag = ggnchunk.diag_ggn(model, loss_func, x, y)
+    opt = DiagGGNOptimizer(model.named_parameters() if named else model.parameters(),
+                           beta=0.5)  # fmt: skip
+    for _ in range(2):
+        opt.step(opt.closure(model, loss_func, x, y))
+    assert torch.equal(model[0].weight, frozen) and model[0].weight not in opt.state
+    by_hand = DiagGGNOptimizer(model.named_parameters() if named else model.parameters())
+    by_hand.update_curvature(diag)  # without the model: by name or order, frozen skipped
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            curvature = by_hand.state[param]["curvature"]
+            assert torch.allclose(curvature, 0.05 * diag[name], rtol=1e-12, atol=0)
+
+
+def test_curvature_is_refreshed_on_schedule_when_a_parameter_gets_no_gradient():
+    """The schedule counts the optimizer's steps, not the first parameter's.
+
+    A parameter unused in forward gets no .grad from the plain steps: the schedule
+    counted that parameter's steps and never refreshed the curvature again.
+    """
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.aux = nn.Linear(5, 5)  # first, never used
+            self.body = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model = WithUnused().double()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    opt = DiagGGNOptimizer(model.named_parameters(), update_every=3)
+    closure = opt.closure(model, nn.MSELoss(), x, torch.sin(x))
+    with pytest.warns(ggnchunk.UnusedParameterWarning):
+        for _ in range(12):
+            opt.step(closure)
+    assert opt.state[model.body.weight]["curvature_updates"].item() == 4  # steps 1,4,7,10
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_the_closure_calls_the_model_as_ggnchunk_does_on_every_step(kind):
+    """Tuple and dict inputs: the plain steps called model(inputs) (a raw TypeError)."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 5), nn.Linear(3, 5)
+
+        def forward(self, u, v):
+            return self.a(u) + self.b(v)
+
+    torch.manual_seed(0)
+    model = TwoInputs().double()
+    u, v = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    inputs = (u, v) if kind == "tuple" else {"u": u, "v": v}
+    y = torch.sin(u)
+    opt = DiagGGNOptimizer(model.named_parameters(), update_every=2)
+    closure = opt.closure(model, nn.MSELoss(), inputs, y)
+    for _ in range(3):
+        before = nn.MSELoss()(model(u, v), y)
+        assert torch.allclose(opt.step(closure), before, rtol=1e-12, atol=0)
