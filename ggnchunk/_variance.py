@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ggnchunk._api import ChunkOptions, GGNReport, _compute, _legacy_distributed
-from ggnchunk._checks import check_batch
+from ggnchunk._checks import check_batch, check_positive_int
 from ggnchunk._distributed import check_same_work, resolve_group
 from ggnchunk._engine import Problem, full_float32, model_lock
 from ggnchunk._quantities import OutputVariance
@@ -25,27 +25,46 @@ from ggnchunk._quantities import OutputVariance
 __all__ = ["output_variance"]
 
 
-def _batch_size(inputs: Any) -> int:
-    """``N``: axis 0 of the input tensor (of the first tensor among tuple/dict inputs)."""
-    stack = [inputs]
+def _batch_size(inputs: Any, given: int | None) -> int:
+    """``N``: axis 0 of the input tensors (all of them must agree), or ``given``."""
+    sizes, stack, found = [], [inputs], False
     while stack:
         value = stack.pop(0)
         if isinstance(value, Tensor):
-            if value.dim() == 0 or value.shape[0] == 0:
-                raise ValueError(
-                    f"inputs has shape {tuple(value.shape)}: the batch is empty or has "
-                    "no batch axis. Pass at least one sample, batch on axis 0."
-                )
-            return int(value.shape[0])
-        if isinstance(value, (tuple, list)):
+            found = True
+            if value.dim() > 0:
+                sizes.append(int(value.shape[0]))
+        elif isinstance(value, (tuple, list)):
             stack.extend(value)
         elif isinstance(value, Mapping):
             stack.extend(value.values())
-    raise TypeError(
-        "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list of model "
-        f"arguments (model(*inputs)) or a dict (model(**inputs)); got "
-        f"{type(inputs).__name__} without tensors."
-    )
+    if not found:
+        raise TypeError(
+            "inputs must be a torch.Tensor with the batch on axis 0, a tuple/list of "
+            "model arguments (model(*inputs)) or a dict (model(**inputs)); got "
+            f"{type(inputs).__name__} without tensors."
+        )
+    if given is not None:
+        size = check_positive_int(given, "batch_size")
+        if size not in sizes:
+            raise ValueError(
+                f"batch_size={size}, but no tensor of inputs has {size} entries on axis "
+                f"0 (they have {sorted(set(sizes))}); pass the number of samples."
+            )
+        return size
+    if not sizes or 0 in sizes:
+        raise ValueError(
+            "inputs has no batch axis or an empty batch (axis 0 of its tensors: "
+            f"{sizes}). Pass at least one sample, batch on axis 0."
+        )
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"inputs' tensors differ on axis 0 ({sorted(set(sizes))}), so the batch size "
+            "is not clear (without targets, output_variance takes it from the inputs); "
+            "pass batch_size=N. Tensors with N entries on axis 0 are per-sample, the "
+            "others are passed whole to every sub-batch."
+        )
+    return sizes[0]
 
 
 def _check_variance(problem: Problem, variance: object) -> list[Tensor]:
@@ -108,6 +127,7 @@ def output_variance(
     inputs: Tensor,
     posterior_variance: Tensor | Mapping[str, Tensor],
     *,
+    batch_size: int | None = None,
     return_report: bool = False,
     options: ChunkOptions | None = None,
     **chunking: Any,
@@ -132,6 +152,9 @@ def output_variance(
         posterior_variance: ``s``: a flat tensor ``[P]`` over the trainable parameters in
             ``named_parameters()`` order (laplace-torch's ``posterior_variance``), or a
             dict ``{name: tensor of the parameter's shape}``; finite, non-negative.
+        batch_size: The number of samples ``N``, needed only where the tensors among
+            ``inputs`` differ on axis 0 (as in :func:`diag_ggn`, where the targets give
+            it, tensors with ``N`` entries on axis 0 are per-sample).
         return_report: Also return a :class:`GGNReport`.
         options: The chunking settings as one :class:`ChunkOptions` (optional), over
             output coordinates instead of loss-Hessian columns
@@ -162,7 +185,7 @@ def output_variance(
     options = ChunkOptions.resolve(options, chunking, "output_variance")
     problem = Problem.build(model, None)
     variance = _check_variance(problem, posterior_variance)
-    size = _batch_size(inputs)
+    size = _batch_size(inputs, batch_size)
     placeholder = problem.params[0].new_zeros(size)
     batch = check_batch(
         list(zip(problem.names, problem.params, strict=True)), inputs, placeholder

@@ -187,3 +187,38 @@ def test_equals_laplace_torch_glm_functional_variance(likelihood, subset):
         laplace_output_variance(
             Laplace(model, likelihood, hessian_structure="kron", backend=ChunkedGGN), x
         )
+
+
+class _SharedScale(nn.Module):
+    """``model(w, x)``: a shared ``[D]`` scale first, the per-sample ``[N, D]`` second."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, w, x):
+        return torch.tanh(self.linear(x * w))
+
+
+@pytest.mark.parametrize("batch_chunk_size", [None, 4])
+def test_a_shared_argument_before_the_batch_needs_batch_size(batch_chunk_size):
+    """The batch size came from the first tensor (the [4] scale): a false refusal."""
+    torch.manual_seed(0)
+    model = _SharedScale().double()
+    w, x = torch.randn(4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    s = torch.rand(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"differ on axis 0 \(\[4, 6\]\).*batch_size=N"):
+        ggnchunk.output_variance(model, (w, x), s)
+    with pytest.raises(ValueError, match=r"batch_size=5, but no tensor of inputs has 5"):
+        ggnchunk.output_variance(model, (w, x), s, batch_size=5)
+    actual = ggnchunk.output_variance(
+        model, (w, x), s, batch_size=6, batch_chunk_size=batch_chunk_size
+    )
+    params = dict(model.named_parameters())
+    jac = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (w, x)))(params)
+    expected = sum(
+        (jac[n].reshape(6, 2, -1).square() * part.reshape(-1)).sum(-1)
+        for n, part in zip(params, torch.split(s, [p.numel() for p in params.values()]),
+                           strict=True)
+    )  # fmt: skip
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=0)
