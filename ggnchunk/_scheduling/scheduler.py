@@ -142,10 +142,31 @@ class ChunkScheduler:
                 f"{recover_oom!r}; pass True (split chunks that run out of memory) or "
                 "False (let the out-of-memory error through)."
             )
+        try:
+            hash(cache_key)
+        except TypeError:
+            raise TypeError(
+                f"cache_key must be hashable (a str, int or tuple), got "
+                f"{type(cache_key).__name__} {cache_key!r}."
+            ) from None
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device={device!r} is not a torch device; pass e.g. 'cpu', 'cuda' or "
+                "'cuda:1' (where the chunks' memory is measured)."
+            ) from None
+        measured = chunk_size == "auto" or max_memory is not None
+        if measured and resolved.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but CUDA is not available here, so its memory "
+                "cannot be measured for max_memory or chunk_size='auto'; pass the "
+                "device the work runs on (device='cpu')."
+            )
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
         self.budget = None if max_memory is None else parse_memory(max_memory)
-        self.device = torch.device(device)
+        self.device = resolved
         self.recover_oom = recover_oom
         self.cache_key = cache_key
         self.what = what

@@ -369,3 +369,19 @@ def test_a_split_bound_refuses_by_its_largest_step():
     # the line alone would need 70 MiB; the split 60 MiB fits a 64 MiB budget
     planner = BudgetPlanner(_Level(), 64 * MiB, 10, backend_class(torch.device("cpu")))
     planner.from_cost((30 * MiB, 40 * MiB, steps))
+
+
+def test_scheduler_arguments_that_used_to_raise_raw_errors():
+    with pytest.raises(TypeError, match=r"cache_key must be hashable .* list \['a'\]"):
+        ggnchunk.ChunkScheduler(max_memory="1GiB", cache_key=["a"])
+    with pytest.raises(ValueError, match="device='gpu0' is not a torch device"):
+        ggnchunk.ChunkScheduler(num_chunks=2, device="gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("mode", [{"max_memory": "1GiB"}, {"chunk_size": "auto"}])
+def test_a_measured_mode_on_cuda_without_cuda_is_refused_clearly(mode):
+    """It reached torch's raw 'Found no NVIDIA driver' error at run()."""
+    with pytest.raises(ValueError, match="CUDA is not available here.*device='cpu'"):
+        ggnchunk.ChunkScheduler(device="cuda", **mode)
+    ggnchunk.ChunkScheduler(device="cuda", num_chunks=2)  # fixed chunks measure nothing
