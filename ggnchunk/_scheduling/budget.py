@@ -123,6 +123,10 @@ class BudgetPlanner:
         self.share = backend.planning_share
         self.ceiling = total  # no chunk above this size (a bound's, or one that overshot)
         self.one: int | None = None  # the probe's peak of one index (no bound known)
+        # the steepest growth per index measured from one index to a chunk (no bound
+        # known): a later chunk that measures nothing (memory the allocator reuses)
+        # says nothing about its size, so growth never forgets it
+        self.slope: float | None = None
         self.overshot: int | None = None  # the size a chunk above the target was cut to
         self.over_budget: int | None = None  # the size a chunk above the budget was cut to
         self._overshoot_warned = False
@@ -322,8 +326,13 @@ class BudgetPlanner:
             grown = 2 * done
             if self.one is not None and done > 1 and peak > self.one:
                 # the growth per index measured from one index to this chunk
-                slope = (peak - self.one) / (done - 1)
-                grown = min(grown, int(done + (target - peak) / slope + 1e-9))
+                self.slope = max(self.slope or 0.0, (peak - self.one) / (done - 1))
+            if self.one is not None and self.slope:
+                # the size whose peak that steepest growth puts at the target (a chunk
+                # of 16 per-sample gradients measured 6 MiB of an 8 MiB budget, the next
+                # one of 17 measured nothing, and the one after that, grown to 34 from
+                # that nothing, peaked at 26 MiB)
+                grown = min(grown, int(1 + (target - self.one) / self.slope + 1e-9))
             elif self.one is None and peak > floor:
                 grown = min(grown, int(done * (target - floor) / (peak - floor)))
             size = max(size, grown)

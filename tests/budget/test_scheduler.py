@@ -1035,3 +1035,29 @@ def test_auto_without_a_budget_finds_its_decision_again(monkeypatch):
     assert (
         len(budgets) == 1 and 0.875 * 0.9 * 20 * 2**30 < budgets.pop() <= 0.9 * 20 * 2**30
     )
+
+
+def test_a_chunk_that_measures_nothing_does_not_license_growth():
+    """Growth keeps the steepest per-index cost measured before a blind chunk.
+
+    A chunk that reuses freed memory measures nothing: per-sample gradients within
+    8 MiB grew from such a chunk to twice its size and peaked at 26 MiB.
+    """
+
+    class Blind(SimulatedMemory):
+        def __init__(self):
+            super().__init__(fixed=0, per_index=MiB // 2)
+            self.measured = 0
+
+        def measure(self, fn):
+            result, peak, seconds = super().measure(fn)
+            self.measured += 1
+            return result, (0 if self.measured == 7 else peak), seconds
+
+    sim = Blind()
+    total, report = ChunkScheduler(max_memory="8MiB", tracker=sim).run(200, sim.run)
+    assert total.item() == sum(range(200))
+    sizes = [c.stop - c.start for c in report.chunks]
+    fit = int(HostMemory.planning_share * 8 * MiB // (MiB // 2))
+    assert report.chunks[6].peak_extra_bytes == 0 and sizes[6] == fit  # the blind one
+    assert max(sizes) == fit  # not twice it after the blind chunk
