@@ -237,7 +237,7 @@ class Problem:
                 "empty. Unfreeze the parameters whose diagonal you need."
             )
         made = [n for n, p in params if not nn.parameter.is_lazy(p) and p.is_inference()]
-        if made:
+        if made and not torch.is_inference_mode_enabled():  # (else: the call's refusal)
             raise ValueError(
                 f"the parameter {made[0]!r} is an inference tensor (made inside "
                 "torch.inference_mode(), e.g. by loading or building the model there), "

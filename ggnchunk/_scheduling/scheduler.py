@@ -156,13 +156,6 @@ class ChunkScheduler:
                 f"device={device!r} is not a torch device; pass e.g. 'cpu', 'cuda' or "
                 "'cuda:1' (where the chunks' memory is measured)."
             ) from None
-        measured = chunk_size == "auto" or max_memory is not None
-        if measured and resolved.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device!r}, but CUDA is not available here, so its memory "
-                "cannot be measured for max_memory or chunk_size='auto'; pass the "
-                "device the work runs on (device='cpu')."
-            )
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
         self.budget = None if max_memory is None else parse_memory(max_memory)
@@ -224,6 +217,15 @@ class ChunkScheduler:
             for start, stop in plan:
                 executor.run_range(start, stop)
         else:
+            if (
+                self.tracker is None and self.device.type == "cuda"
+                and not torch.cuda.is_available()
+            ):  # fmt: skip
+                raise ValueError(
+                    f"device={str(self.device)!r}, but CUDA is not available here, so "
+                    "its memory cannot be measured for max_memory or chunk_size='auto'; "
+                    "pass the device the work runs on (device='cpu')."
+                )
             backend = memory_backend(self.device, what=_needs(self.mode))
             tracker = self.tracker if self.tracker is not None else backend
             if baseline is None:

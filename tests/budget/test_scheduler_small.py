@@ -382,10 +382,12 @@ def test_scheduler_arguments_that_used_to_raise_raw_errors():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("mode", [{"max_memory": "1GiB"}, {"chunk_size": "auto"}])
 def test_a_measured_mode_on_cuda_without_cuda_is_refused_clearly(mode):
-    """It reached torch's raw 'Found no NVIDIA driver' error at run()."""
+    """It reached torch's raw 'Found no NVIDIA driver' error."""
+    scheduler = ggnchunk.ChunkScheduler(device="cuda", **mode)
     with pytest.raises(ValueError, match="CUDA is not available here.*device='cpu'"):
-        ggnchunk.ChunkScheduler(device="cuda", **mode)
-    ggnchunk.ChunkScheduler(device="cuda", num_chunks=2)  # fixed chunks measure nothing
+        scheduler.run(10, lambda a, b: torch.tensor(1.0))
+    fixed = ggnchunk.ChunkScheduler(device="cuda", num_chunks=2)  # measures nothing
+    assert fixed.run(10, lambda a, b: torch.tensor(1.0))[0].item() == 2
 
 
 _AFTER_EARLIER_WORK = """

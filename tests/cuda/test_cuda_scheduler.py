@@ -184,6 +184,7 @@ class FakeAllocator:
 
     def install(self, monkeypatch):
         cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)  # (a simulated device)
         monkeypatch.setattr(cuda, "synchronize", lambda *a, **k: None)
         monkeypatch.setattr(cuda, "current_device", lambda: 0)
         monkeypatch.setattr(cuda, "memory_allocated", lambda *a, **k: self.allocated)
