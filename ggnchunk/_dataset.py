@@ -26,7 +26,7 @@ from ggnchunk._api import ChunkOptions, GGNReport, evaluate
 from ggnchunk._checks import random_state_kept_on_error, warnings_once
 from ggnchunk._distributed import all_reduce_sum, resolve_group
 from ggnchunk._quantities import Sampling
-from ggnchunk._sqrt_hessians import as_loss_module, averages
+from ggnchunk._sqrt_hessians import FunctionLoss, as_loss_module, averages
 
 __all__ = ["DiagGGNAccumulator", "diag_ggn_dataset"]
 
@@ -204,8 +204,10 @@ def _loss_tag(loss: nn.Module) -> str:
     Returns:
         For example ``"MSELoss(reduction='mean')"``.
     """
-    fn = getattr(loss, "fn", None) if type(loss).__name__ == "FunctionLoss" else None
-    name = type(loss).__name__ if fn is None else getattr(fn, "__qualname__", "function")
+    if isinstance(loss, FunctionLoss):
+        name = getattr(loss.fn, "__qualname__", "function")
+    else:
+        name = type(loss).__name__
     return f"{name}(reduction={getattr(loss, 'reduction', None)!r})"
 
 

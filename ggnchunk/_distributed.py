@@ -63,18 +63,34 @@ def _device_for(group: Any, fallback: torch.device) -> torch.device:
     return fallback if fallback.type == "cpu" else torch.device("cpu")
 
 
-def _check_same_model(model: nn.Module, group: Any) -> None:
+def _extremes(values: Tensor, group: Any) -> tuple[list[Any], list[Any]]:
+    """The smallest and largest of each entry of ``values`` over the ranks.
+
+    Every rank gets the same two lists, so a check on them refuses on all ranks at once.
+
+    Args:
+        values: A vector, the same length on every rank.
+        group: The process group.
+
+    Returns:
+        ``(lows, highs)`` as Python numbers.
+    """
     import torch.distributed as dist
 
-    signature = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()
-                      if p.requires_grad])  # fmt: skip
-    digest = int(hashlib.sha1(signature.encode()).hexdigest()[:15], 16)
-    device = _device_for(group, next(model.parameters()).device)
-    low = torch.tensor([digest], dtype=torch.int64, device=device)
+    low = values.to(_device_for(group, values.device))
     high = low.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if low.item() != high.item():
+    return low.tolist(), high.tolist()
+
+
+def _check_same_model(model: nn.Module, group: Any) -> None:
+    signature = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()
+                      if p.requires_grad])  # fmt: skip
+    digest = int(hashlib.sha1(signature.encode()).hexdigest()[:15], 16)
+    digests = torch.tensor([digest], device=next(model.parameters()).device)
+    low, high = _extremes(digests, group)
+    if low != high:
         raise ValueError(
             "the ranks disagree on the model's trainable parameters (names or shapes); "
             "every rank must build the same model before computing a distributed GGN "
@@ -181,18 +197,14 @@ def check_same_work(group: Any, parts: dict[str, list[Tensor]]) -> None:
     Raises:
         ValueError: On every rank, if a part differs between ranks.
     """
-    import torch.distributed as dist
-
     names = list(parts)
-    digests = [_fingerprint(parts[name]) for name in names]
     first = next((t for name in names for t in parts[name]), None)
-    device = _device_for(group, first.device if first is not None else torch.device("cpu"))
-    low = torch.tensor(digests, dtype=torch.int64, device=device)
-    high = low.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    differ = [name for name, a, b in zip(names, low.tolist(), high.tolist(), strict=True)
-              if a != b]  # fmt: skip
+    digests = torch.tensor(
+        [_fingerprint(parts[name]) for name in names],
+        device=first.device if first is not None else None,
+    )
+    low, high = _extremes(digests, group)
+    differ = [name for name, a, b in zip(names, low, high, strict=True) if a != b]
     if differ:
         raise ValueError(
             f"column_parallel=True: the ranks' {' and '.join(differ)} differ. Each rank "
@@ -221,8 +233,6 @@ def check_same_output(group: Any, output: Tensor) -> None:
     Raises:
         ValueError: On every rank, if the outputs differ.
     """
-    import torch.distributed as dist
-
     flat = output.detach().reshape(-1)
     stats = torch.zeros(3, dtype=torch.float64, device=flat.device)
     for start in range(0, flat.numel(), _VALUES):  # inside the budget: 2 MiB at most
@@ -235,14 +245,9 @@ def check_same_output(group: Any, output: Tensor) -> None:
         stats[0] += torch.cos(positions) @ values
         stats[1] += torch.sin(0.618 * positions) @ values
         stats[2] += values.square().sum()
-    device = _device_for(group, stats.device)
-    low = stats.to(device)
-    high = low.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    norm = float(high[2]) ** 0.5
-    spread = (high - low).tolist()
-    if max(spread[:2]) > 1e-3 * norm or spread[2] > 1e-3 * float(high[2]):
+    low, high = _extremes(stats, group)
+    spread = [b - a for a, b in zip(low, high, strict=True)]
+    if max(spread[:2]) > 1e-3 * high[2] ** 0.5 or spread[2] > 1e-3 * high[2]:
         raise ValueError(
             "column_parallel=True: the ranks' forward passes gave different outputs for "
             "the same model and inputs, so the model draws random numbers in forward "
