@@ -236,6 +236,22 @@ def deeplab_frozen(scale: int = 1) -> Problem:
     return _OutOnly(net), nn.CrossEntropyLoss(), x, y
 
 
+def deeplab(scale: int = 1) -> Problem:
+    """Torchvision's DeepLabV3 MobileNetV3-Large, all trainable, 3 classes, per-pixel CE.
+
+    ``[1, 3, 32, 32]`` in float64: the ASPP's atrous convolutions (dilation 12, 24, 36)
+    on 4x4 maps read a few taps of maps padded to 28x28-76x76 (a budget test).
+    """
+    import torchvision
+
+    net = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, aux_loss=False
+    )
+    x = torch.randn(scale, 3, 32, 32, dtype=torch.float64)
+    y = torch.randint(0, 3, (scale, 32, 32))
+    return _OutOnly(net.double()), nn.CrossEntropyLoss(), x, y
+
+
 def resnet18_frozen(scale: int = 1) -> Problem:
     """ResNet-18 with a frozen backbone: only ``layer1`` and the 100-class head train.
 
@@ -520,7 +536,7 @@ PROBLEMS.update(
     attention_sr=attention_sr,
     depth_head_f64=depth_head_f64,
     lraspp_frozen=lraspp_frozen, resnet18_frozen=resnet18_frozen, tiny_gpt=tiny_gpt,
-    deeplab_frozen=deeplab_frozen,
+    deeplab_frozen=deeplab_frozen, deeplab=deeplab,
     gpt_eager=gpt_eager, reflect_generator=reflect_generator,
     cyclegan_generator=cyclegan_generator,
 )  # fmt: skip

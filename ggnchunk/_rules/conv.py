@@ -717,12 +717,18 @@ class ConvRule(LayerRule):
             x = x[sample : sample + 1]
         dims = x.dim() - 2
         pads = explicit_padding(module, dims)
-        flat = [p for pair in reversed(pads) for p in pair]
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        if any(flat):
-            x = F.pad(x, flat, mode=mode)
+        zeros = 0
+        if module.padding_mode == "zeros" and all(a == b for a, b in pads):
+            # padded by unfold, which gathers the taps where the padded map would be
+            # larger than the patches (an ASPP's dilation 36 on a 4x4 map)
+            zeros = tuple(a for a, _ in pads)
+        else:
+            flat = [p for pair in reversed(pads) for p in pair]
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            if any(flat):
+                x = F.pad(x, flat, mode=mode)
         patches = unfold(
-            x, as_tuple(module.kernel_size, dims), as_tuple(module.stride, dims), 0,
+            x, as_tuple(module.kernel_size, dims), as_tuple(module.stride, dims), zeros,
             as_tuple(module.dilation, dims),
         )  # fmt: skip
         g = module.groups

@@ -50,6 +50,18 @@ LAYERS = {
     "conv2d-groups-padding-past-the-kernel": (
         lambda: nn.Conv2d(4, 4, 3, padding=3, groups=2), (4, 3, 3)
     ),
+    # dilated and padded far past small maps (an ASPP's atrous branches): the patches
+    # are gathered tap by tap, no padded map
+    "conv2d-atrous-on-a-small-map": (
+        lambda: nn.Conv2d(3, 4, 3, padding=6, dilation=6), (3, 4, 4)
+    ),
+    "conv1d-atrous-strided": (
+        lambda: nn.Conv1d(2, 3, 3, stride=2, padding=5, dilation=5), (2, 4)
+    ),
+    "conv3d-atrous-groups": (
+        lambda: nn.Conv3d(4, 2, (3, 1, 3), padding=(4, 0, 3), dilation=(4, 1, 3), groups=2),
+        (4, 2, 3, 2),
+    ),
     "conv3d-groups": (lambda: nn.Conv3d(4, 2, (3, 2, 3), padding=(1, 0, 1), groups=2),
                       (4, 3, 3, 4)),
     "convT1d-output-padding": (
@@ -219,6 +231,31 @@ def test_convolution_backprop_by_the_input_gradient_kernel_is_exact(name, monkey
 SHAPES = [(3, 2, 1, 4, 5, 1), (3, 2, 1, 4, 5, 6), (2, 3, 2, 3, 4, 2), (50, 2, 1, 8, 9, 3),
           (1, 2, 1, 8, 9, 40), (4, 2, 3, 2, 2, 7), (2, 3, 1, 6, 40, 12),
           (5, 3, 1, 2, 3, 30), (1000, 2, 1, 30, 3, 40)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation", "size"),
+    [((3, 3), (1, 1), (36, 36), (36, 36), (4, 4)),  # DeepLab's widest ASPP branch
+     ((3, 3), (1, 1), (12, 12), (12, 12), (2, 2)),  # its narrowest on 16x16 images
+     ((3, 2), (2, 1), (5, 1), (5, 3), (3, 4)),
+     ((1, 3), (1, 3), (0, 4), (1, 4), (5, 2)),
+     ((2, 2), (2, 2), (3, 3), (1, 1), (1, 1)),
+     ((3, 3), (1, 1), (1, 1), (1, 1), (5, 5))],  # dense: padded first, as before
+)  # fmt: skip
+def test_convolution_patches_without_a_padded_map_match_torch_unfold(
+    kernel, stride, padding, dilation, size
+):
+    """Where the zero-padded map is larger than the patches, they are gathered tap by tap.
+
+    Against ``F.unfold`` (im2col), for the patches' layout ``[B, C*K, P]``.
+    """
+    from ggnchunk._rules.geometry import _sparse_taps, unfold
+
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    got = unfold(x, kernel, stride, padding, dilation)
+    expected = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert _sparse_taps(x, kernel, stride, padding, dilation) is (size != (5, 5))
 
 
 @pytest.mark.parametrize(("v", "n", "g", "o", "k", "p"), SHAPES)
