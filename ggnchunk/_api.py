@@ -604,11 +604,14 @@ def _below_cut(
         Phase two's schedule.
     """
     budget = schedule.budget_bytes if tracker is not None else None
+    run.plan_below_cut()
     if budget is not None:
         # the level the plan starts from, without the heap the passes freed (a call
         # whose 768 one-column passes had kept 1.2 MiB more resident than in use was
         # refused below the cut at 8.8 MiB where every column to the inputs fits)
-        getattr(tracker, "settled", tracker.current)()
+        level = getattr(tracker, "settled", tracker.current)()
+        if baseline is not None:
+            _plan_below_cut(run, budget, level - baseline, columns, device)
         scheduler = ChunkScheduler(
             max_memory=budget, device=device, recover_oom=options.recover_oom,
             what="factor columns", tracker=tracker,
@@ -639,6 +642,35 @@ def _below_cut(
         _, report = fallback.run(columns, below)
     report.factor = True
     return report
+
+
+def _plan_below_cut(
+    run: GGNComputation, budget: int, level: int, total: int, device: torch.device
+) -> None:
+    """The chunk size the layers below a cut plan their contraction forms for.
+
+    As :func:`_plan_for_budget` does above it: the Gram form's matrices that chunks of
+    every factor column would keep are left out where the budget then fits fewer
+    passes (its chunks are smaller than the size those matrices pay off at).
+
+    Args:
+        run: The computation, after its passes.
+        budget: The budget in bytes.
+        level: Bytes in use above the call's baseline (settled).
+        total: The factor's columns.
+        device: Where the work runs.
+    """
+
+    def passes(columns: int) -> float:
+        run.plan_below_cut(columns)
+        return passes_within(budget, device, level, *run.below_cut_bytes(), total)
+
+    full, fewest = passes(total), passes(1)
+    if fewest < full:
+        small = -(-total // fewest)
+        if passes(small) < full:
+            return  # planned for the smaller chunks
+    run.plan_below_cut(total)
 
 
 def _progress_bar(show: bool) -> Any:

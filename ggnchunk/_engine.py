@@ -998,6 +998,25 @@ class GGNComputation:
         fixed = self.quantity.fixed_bytes(self._recording, element, below)
         return fixed, self._recording.column_bytes(element, cut=below)
 
+    def plan_below_cut(self, columns: int | None = None) -> None:
+        """Plan the layers below the cut for chunks of at most ``columns`` factor columns.
+
+        They choose their contraction forms, and keep the Gram form's matrices, for
+        chunks of that size (as :meth:`fixed_bytes` does above the cut); no chunk below
+        holds more than the factor's columns (the default). The phase-one passes' chunk
+        size, which they were planned for before, does not reach them: LRASPP's
+        depthwise layers were counted 3.4 MiB of Gram matrices each for 408 columns
+        where one-column passes kept 0.2 MiB of patches, and 48 factor columns ran one
+        per pass within 44.8 MiB (2.9 s) where 29.1 MiB ran them six at a time (0.7 s).
+
+        Args:
+            columns: Most factor columns per chunk (``None``: all of them).
+        """
+        most = self._cut.columns.shape[0]
+        columns = most if columns is None else max(1, min(columns, most))
+        for call in self._recording._calls_on(self._cut_place("below")):
+            call.ctx.columns = columns
+
     def _cut_place(self, side: str) -> tuple[str, int] | None:
         cut = self._cut
         return None if cut is None or not cut.on else (side, cut.index)

@@ -19,6 +19,7 @@ LRASPP head), with the Gram matrix of all of them kept
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -592,6 +593,51 @@ def test_passes_above_a_cut_plan_without_the_caches_below_it(monkeypatch):
     assert whole > 0 and max(above) < whole, asked  # the body's caches: below only
     expected = reference_diag_ggn(model, loss_func, x, y)
     assert_diag_close(got, expected, rtol=1e-10)
+
+
+def test_larger_budgets_never_take_more_passes_below_the_cut():
+    """The layers below a cut plan their forms for the factor's chunks, not the passes'.
+
+    Torchvision's LRASPP, all trainable (float64, one 32x32 image): the layers below
+    its cut were planned for the passes' chunks of hundreds of columns, so their bound
+    reserved the Gram form's matrices (3.4 MiB for a depthwise layer that kept 0.2 MiB
+    of patches in one-column chunks). A budget of 2.5x the smallest then ran the
+    factor's 32 columns 3 at a time, 20 passes where 2x took 15.
+    """
+    import re
+
+    torchvision = pytest.importorskip("torchvision")
+
+    class Out(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)["out"]
+
+    torch.manual_seed(0)
+    net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3
+    )
+    model = Out(net).double().eval()
+    x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    y = torch.randint(0, 3, (1, 32, 32))
+    loss_func = nn.CrossEntropyLoss()
+    with pytest.raises(ggnchunk.MemoryBudgetError) as refused:
+        ggnchunk.diag_ggn(model, loss_func, x, y, max_memory="1MiB")
+    smallest = float(re.search(r"needs up to ([\d.]+) MiB", str(refused.value))[1])
+    expected = ggnchunk.diag_ggn(model, loss_func, x, y)
+    passes = []
+    for factor in (1.6, 2.0, 2.5, 3.0):
+        got, report = ggnchunk.diag_ggn(
+            model, loss_func, x, y, max_memory=f"{smallest * factor:.1f}MiB",
+            return_report=True,
+        )  # fmt: skip
+        assert len(report.schedules) == 2 and report.schedules[1].factor, report
+        assert_diag_close(got, expected, rtol=1e-10, label=f"{factor}x")
+        passes.append(report.num_passes)
+    assert all(b <= a + 1 for a, b in itertools.pairwise(passes)), passes
 
 
 def test_a_pass_retried_after_running_out_of_memory_adds_its_rows_once(monkeypatch):
