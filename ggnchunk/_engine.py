@@ -395,6 +395,7 @@ class GGNComputation:
         self._loss: Tensor | None = None
         self._sqrt: SqrtHessianFactor | None = None
         self._columns: int | None = None  # the chunk size the bounds are made for
+        self.lean = False  # whether the sweeps keep no per-forward caches (set_lean)
         self.loss: Tensor | None = None
 
     # -- set-up and tear-down -------------------------------------------------------------
@@ -784,6 +785,7 @@ class GGNComputation:
         Args:
             lean: Whether to run lean.
         """
+        self.lean = lean
         self._recording.images.set_enabled(not lean)
         for call in self._recording.calls:
             call.ctx.lean = lean
@@ -998,7 +1000,7 @@ class GGNComputation:
         fixed = self.quantity.fixed_bytes(self._recording, element, below)
         return fixed, self._recording.column_bytes(element, cut=below)
 
-    def plan_below_cut(self, columns: int | None = None) -> None:
+    def plan_below_cut(self, columns: int | None = None, lean: bool | None = None) -> None:
         """Plan the layers below the cut for chunks of at most ``columns`` factor columns.
 
         They choose their contraction forms, and keep the Gram form's matrices, for
@@ -1009,13 +1011,22 @@ class GGNComputation:
         where one-column passes kept 0.2 MiB of patches, and 48 factor columns ran one
         per pass within 44.8 MiB (2.9 s) where 29.1 MiB ran them six at a time (0.7 s).
 
+        Nor does the passes' choice of lean caches: the layers below build theirs in
+        the passes from the cut, so they may run lean where the passes above did not
+        (:meth:`set_lean`, for them alone).
+
         Args:
             columns: Most factor columns per chunk (``None``: all of them).
+            lean: Whether the layers below run lean (``None``: as they are).
         """
         most = self._cut.columns.shape[0]
         columns = most if columns is None else max(1, min(columns, most))
         for call in self._recording._calls_on(self._cut_place("below")):
             call.ctx.columns = columns
+            if lean is not None:
+                call.ctx.lean = lean
+                if lean:
+                    call.ctx.caches.drop_for_lean()
 
     def _cut_place(self, side: str) -> tuple[str, int] | None:
         cut = self._cut

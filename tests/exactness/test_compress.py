@@ -595,14 +595,19 @@ def test_passes_above_a_cut_plan_without_the_caches_below_it(monkeypatch):
     assert_diag_close(got, expected, rtol=1e-10)
 
 
-def test_larger_budgets_never_take_more_passes_below_the_cut():
+@pytest.mark.parametrize(
+    ("name", "side"), [("lraspp_mobilenet_v3_large", 32), ("fcn_resnet50", 16)]
+)
+def test_larger_budgets_never_take_more_passes_below_the_cut(name, side):
     """The layers below a cut plan their forms for the factor's chunks, not the passes'.
 
-    Torchvision's LRASPP, all trainable (float64, one 32x32 image): the layers below
+    Torchvision's segmenters, all trainable (float64, one image). LRASPP's layers below
     its cut were planned for the passes' chunks of hundreds of columns, so their bound
     reserved the Gram form's matrices (3.4 MiB for a depthwise layer that kept 0.2 MiB
-    of patches in one-column chunks). A budget of 2.5x the smallest then ran the
-    factor's 32 columns 3 at a time, 20 passes where 2x took 15.
+    of patches in one-column chunks): 2.5x its smallest budget ran the factor's 32
+    columns 3 at a time, 20 passes where 2x took 15. FCN's passes above its cut ran
+    with caches at 2x (lean at 1.6x), and so did the layers below, whose 2048-channel
+    head then counted a weight per factor column: 11 passes where 1.6x took 6.
     """
     import re
 
@@ -617,12 +622,12 @@ def test_larger_budgets_never_take_more_passes_below_the_cut():
             return self.net(x)["out"]
 
     torch.manual_seed(0)
-    net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-        weights=None, weights_backbone=None, num_classes=3
+    net = getattr(torchvision.models.segmentation, name)(
+        weights=None, weights_backbone=None, num_classes=3, aux_loss=False
     )
     model = Out(net).double().eval()
-    x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
-    y = torch.randint(0, 3, (1, 32, 32))
+    x = torch.randn(1, 3, side, side, dtype=torch.float64)
+    y = torch.randint(0, 3, (1, side, side))
     loss_func = nn.CrossEntropyLoss()
     with pytest.raises(ggnchunk.MemoryBudgetError) as refused:
         ggnchunk.diag_ggn(model, loss_func, x, y, max_memory="1MiB")
