@@ -677,8 +677,9 @@ def _plan_below_cut(
     fewest = passes(1)
     if fewest < best:
         small = -(-total // fewest)
-        if passes(small) < best:
-            planned, best = small, passes(small)
+        fitted = passes(small)
+        if fitted < best:
+            planned, best = small, fitted
     lean = passes(total, lean=True)  # (lean layers choose their forms by memory)
     if 2 * lean <= best or (best == inf and lean < inf):
         return

@@ -293,6 +293,17 @@ def test_segmenter_kronecker_factors_with_fewer_columns(
         assert torch.allclose(fewer[name].input, inputs, rtol=1e-10, atol=1e-14), name
 
 
+class _Logits(nn.Module):
+    """Torchvision's segmenters return ``{"out": logits}``: the logits."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)["out"]
+
+
 @pytest.mark.parametrize(
     "chunking", [{}, {"num_chunks": 5}, {"max_memory": "200MiB"}],
     ids=["onepass", "chunks5", "budget"],
@@ -309,14 +320,6 @@ def test_torchvision_lraspp_replaces_its_columns_below_the_resize(
     torchvision = pytest.importorskip("torchvision")
     monkeypatch.setattr(compress, "FOLD_COST", FOLD_COST)
 
-    class Out(nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return self.net(x)["out"]
-
     torch.manual_seed(0)
     net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
         weights=None, weights_backbone=None, num_classes=3
@@ -325,7 +328,7 @@ def test_torchvision_lraspp_replaces_its_columns_below_the_resize(
     net.classifier.low_classifier.requires_grad_(True)
     net.classifier.high_classifier.requires_grad_(True)
     net.backbone["0"][0].requires_grad_(True)
-    model = Out(net).double().eval()
+    model = _Logits(net).double().eval()
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     y = torch.randint(0, 3, (2, 16, 16))
     got, report = ggnchunk.diag_ggn(
@@ -613,19 +616,11 @@ def test_larger_budgets_never_take_more_passes_below_the_cut(name, side):
 
     torchvision = pytest.importorskip("torchvision")
 
-    class Out(nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return self.net(x)["out"]
-
     torch.manual_seed(0)
     net = getattr(torchvision.models.segmentation, name)(
         weights=None, weights_backbone=None, num_classes=3, aux_loss=False
     )
-    model = Out(net).double().eval()
+    model = _Logits(net).double().eval()
     x = torch.randn(1, 3, side, side, dtype=torch.float64)
     y = torch.randint(0, 3, (1, side, side))
     loss_func = nn.CrossEntropyLoss()
